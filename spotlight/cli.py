@@ -1,0 +1,204 @@
+"""The `spotlight` command: train, eval, sample, pretrain, config.
+
+Every subcommand takes an optional recipe (a YAML file; none = the embedded tiny-shapes default)
+followed by dotted overrides such as `train.lr=3e-4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+EXIT_INTERRUPTED = 130
+
+
+def _quiet_libraries() -> None:
+    # Model loading prints progress bars per folder; our own progress is enough.
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def _split_recipe(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The recipe is the first positional argument unless it looks like an override (has '=')."""
+    items = list(args.items)
+    recipe = None
+    if items and "=" not in items[0]:
+        recipe = items.pop(0)
+    return recipe, items
+
+
+def _load_recipe(args: argparse.Namespace):
+    from spotlight.config import DiTRecipe
+    from spotlight.config_io import load_config
+
+    recipe, overrides = _split_recipe(args)
+    return load_config(DiTRecipe, recipe, overrides), recipe
+
+
+def _policy_with_checkpoint(cfg, checkpoint: str | None):
+    """The recipe's policy, with a run's or checkpoint's trained weights when given."""
+    from spotlight.checkpoint import load_checkpoint
+    from spotlight.policy import load_policy, load_trainable_state
+
+    if checkpoint is None:
+        return load_policy(cfg.model, trainable=False), None
+    ckpt = load_checkpoint(checkpoint)
+    # The adapter shape comes from the checkpoint, not from the (possibly different) recipe.
+    cfg.model.lora_rank = int(ckpt.meta.get("lora_rank", 0))
+    cfg.model.lora_alpha = float(ckpt.meta.get("lora_alpha", 0.0))
+    policy = load_policy(cfg.model, trainable=False)
+    load_trainable_state(policy, ckpt.tensors["trainable"])
+    return policy, ckpt
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from spotlight.train import run_training
+
+    cfg, _ = _load_recipe(args)
+    run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+    run_training(cfg, run_dir, resume=not args.no_resume, progress=not args.quiet)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from spotlight.evaluate import evaluate
+    from spotlight.prompts import prompt_check, read_prompt_file, train_and_eval_prompts
+    from spotlight.rewards import build_reward
+    from spotlight.tracking import save_image_grid
+
+    cfg, _ = _load_recipe(args)
+    if args.prompts:
+        prompts = read_prompt_file(args.prompts, check=prompt_check(cfg.reward.weights), field="--prompts")
+    else:
+        prompts = train_and_eval_prompts(cfg.data, cfg.reward.weights)[1]
+    policy, ckpt = _policy_with_checkpoint(cfg, args.checkpoint)
+    reward_fn = build_reward(cfg.reward.weights, clip_model_path=cfg.reward.clip_model_path)
+    summary, images = evaluate(policy, prompts, reward_fn, cfg, progress=not args.json)
+    summary["checkpoint"] = str(ckpt.path) if ckpt else None
+    summary["step"] = ckpt.step if ckpt else 0
+    if args.grid:
+        save_image_grid(images[:64], args.grid, nrow=8)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            print(f"{key:>20}: {value}")
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from spotlight.prompts import prompt_check, read_prompt_file
+    from spotlight.rollout import rollout
+    from spotlight.sampling import qwen_image_sigmas
+    from spotlight.tracking import save_image_grid
+
+    cfg, _ = _load_recipe(args)
+    prompts = list(args.prompt or [])
+    if args.prompts:
+        prompts += read_prompt_file(args.prompts, check=prompt_check(cfg.reward.weights), field="--prompts")
+    if not prompts:
+        raise ValueError("give at least one --prompt TEXT or --prompts FILE")
+    policy, _ = _policy_with_checkpoint(cfg, args.checkpoint)
+    sigmas = qwen_image_sigmas(cfg.sample.eval_num_steps, policy.latent_shape[0])
+    all_prompts = [p for p in prompts for _ in args.seeds]
+    seeds = [s for _ in prompts for s in args.seeds]
+    ro = rollout(
+        policy, all_prompts, seeds, sigmas,
+        noise_level=cfg.sample.eval_noise_level,
+        guidance_scale=cfg.sample.guidance_scale,
+        negative_prompt=cfg.sample.negative_prompt,
+        batch_size=cfg.eval.batch_size,
+    )  # fmt: skip
+    out = save_image_grid(ro.images, args.out, nrow=len(args.seeds))
+    print(f"wrote {out}: {len(prompts)} prompt(s) as rows x {len(args.seeds)} seed(s) as columns")
+    return 0
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from spotlight.config import PretrainConfig
+    from spotlight.config_io import load_config
+    from spotlight.pretrain import pretrain
+
+    recipe, overrides = _split_recipe(args)
+    cfg = load_config(PretrainConfig, recipe, overrides)
+    summary = pretrain(cfg, args.out, progress=not args.quiet)
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from spotlight.config import DiTRecipe
+    from spotlight.config_io import describe, dump_yaml
+
+    cfg, _ = _load_recipe(args)
+    print(describe(DiTRecipe) if args.describe else dump_yaml(cfg), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spotlight", description="RL post-training of generative models on spot GPUs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help_text: str, fn) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("items", nargs="*", metavar="[RECIPE] [key=value ...]", help="recipe YAML, then dotted overrides")
+        p.set_defaults(fn=fn)
+        return p
+
+    p = command("train", "Post-train a DiT with GRPO (default: the tiny shapes recipe on CPU).", cmd_train)
+    p.add_argument("--run-dir", help="run directory (default: runs/<recipe name>); an existing run resumes")
+    p.add_argument("--no-resume", action="store_true", help="start from scratch even if run-dir has checkpoints")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+
+    p = command("eval", "Mean reward of a model on held-out prompts, with fixed seeds.", cmd_eval)
+    p.add_argument("--checkpoint", help="run directory or checkpoint (default: the recipe's base model)")
+    p.add_argument("--prompts", help="prompt file, one per line (default: the recipe's eval prompts)")
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument("--grid", help="also write a PNG grid of the first seed of each prompt")
+
+    p = command("sample", "Write a PNG grid of images for prompts (rows) and seeds (columns).", cmd_sample)
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts", help="prompt file, one per line")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3], help="seeds (default: 0 1 2 3)")
+    p.add_argument("--checkpoint", help="run directory or checkpoint (default: the recipe's base model)")
+    p.add_argument("--out", default="samples.png", help="output PNG (default: samples.png)")
+
+    p = command("pretrain", "Pretrain the tiny shapes base model with rectified flow.", cmd_pretrain)
+    p.add_argument("--out", required=True, help="output model folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = command("config", "Print the resolved recipe as YAML (or every field with --describe).", cmd_config)
+    p.add_argument("--describe", action="store_true", help="list every field with its type, default and doc")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        return args.fn(args)
+    except ValueError as err:  # user mistakes: bad recipe, path, prompt file, checkpoint
+        if os.environ.get("SPOTLIGHT_DEBUG"):
+            raise
+        print(f"spotlight {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"\nspotlight {args.command}: interrupted; checkpoints on disk are intact "
+            "(they are written atomically). Run the same command again to resume.",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

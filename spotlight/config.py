@@ -1,0 +1,228 @@
+"""The DiT GRPO recipe: typed dataclasses, the single source of truth for every setting.
+
+The defaults are the embedded CPU recipe (`configs/dit/tiny-shapes.yaml` spells the same values
+out): post-train the shipped tiny shapes base model on 2 CPU cores in about ten minutes. YAML
+recipes override these defaults and dotted command-line overrides (`train.lr=3e-4`) override the
+recipe (see `config_io.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class ModelConfig:
+    """Which model to post-train and how."""
+
+    path: str = ""
+    """Qwen-Image model folder (diffusers layout); empty = the tiny shapes base shipped with spotlight."""
+    height: int = 64
+    """Image height in pixels."""
+    width: int = 64
+    """Image width in pixels."""
+    max_text_tokens: int = 16
+    """Prompt tokens after the template (fixed padding); 0 pads to the longest prompt of each batch."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype of the transformer and prompt encoder."""
+    device: str = "cpu"
+    """Torch device, e.g. cpu or cuda."""
+    lora_rank: int = 0
+    """LoRA rank on attention and MLP projections; 0 trains all transformer weights."""
+    lora_alpha: float = 0.0
+    """LoRA alpha; 0 means equal to the rank."""
+    gradient_checkpointing: bool = False
+    """Recompute transformer activations in the backward pass (saves memory, costs time)."""
+
+
+@dataclass
+class SampleConfig:
+    """Rollout and evaluation sampling."""
+
+    num_steps: int = 10
+    """Denoising steps of training rollouts."""
+    eval_num_steps: int = 10
+    """Denoising steps for evaluation and `spotlight sample`."""
+    noise_level: float = 1.2
+    """SDE noise scale a (Flow-GRPO: 0.7 SD3.5, 0.9 FLUX, 1.2 Qwen-Image)."""
+    sde_window_size: int = 0
+    """Number of consecutive stochastic (trained) steps; 0 makes every step stochastic."""
+    sde_window_range: tuple[int, int] = (0, 5)
+    """Range [lo, hi] of the window's first step, drawn per iteration (MixGRPO-style sliding window)."""
+    guidance_scale: float = 1.0
+    """Qwen-Image true CFG scale; 1 disables CFG (what Flow-GRPO recommends for training)."""
+    negative_prompt: str = " "
+    """Negative prompt for true CFG."""
+    eval_noise_level: float = 0.0
+    """Noise level for evaluation sampling; 0 is the deterministic ODE sampler."""
+
+    def validate(self) -> None:
+        if self.sde_window_size > self.num_steps:
+            raise ValueError(f"sde_window_size={self.sde_window_size} exceeds num_steps={self.num_steps}")
+        lo, hi = self.sde_window_range
+        if self.sde_window_size and not 0 <= lo <= hi <= self.num_steps - self.sde_window_size:
+            raise ValueError(
+                f"sde_window_range={list(self.sde_window_range)} must satisfy 0 <= lo <= hi <= "
+                f"num_steps - sde_window_size = {self.num_steps - self.sde_window_size}"
+            )
+
+
+@dataclass
+class RewardConfig:
+    """Reward functions and their weights."""
+
+    weights: dict[str, float] = field(default_factory=lambda: {"shapes": 1.0})
+    """Reward name -> weight; the total is the weighted sum (see `spotlight.rewards`)."""
+    clip_model_path: str = ""
+    """Local CLIP/PickScore folder for the `clip_score` reward."""
+
+
+@dataclass
+class DataConfig:
+    """Prompts."""
+
+    train_prompts: str = ""
+    """Prompt file (one per line) for training; empty = the shapes grammar minus the held-out split."""
+    eval_prompts: str = ""
+    """Prompt file for evaluation; empty = the held-out split of the shapes grammar."""
+    num_heldout: int = 64
+    """Size of the held-out split when prompts come from the shapes grammar."""
+    split_seed: int = 0
+    """Seed of the train / held-out split of the shapes grammar."""
+
+
+@dataclass
+class TrainConfig:
+    """GRPO optimisation."""
+
+    num_iterations: int = 60
+    """Rollout + update iterations."""
+    prompts_per_iteration: int = 8
+    """Prompts sampled per iteration."""
+    group_size: int = 8
+    """Seeds per prompt (G): the GRPO group."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    clip_range: float = 0.2
+    """PPO ratio clip epsilon (Flow-GRPO uses 1e-4 at scale; the tiny model needs larger steps)."""
+    adv_clip: float = 5.0
+    """Clamp |advantage| to this."""
+    adv_std: Literal["group", "batch"] = "batch"
+    """Normalise advantages by the per-group or the whole-batch reward std (Flow-GRPO: batch)."""
+    beta: float = 0.0
+    """KL weight to the reference policy (LoRA disabled, or a frozen copy for full fine-tuning)."""
+    num_inner_epochs: int = 1
+    """Passes over each iteration's rollouts."""
+    minibatch_size: int = 32
+    """Samples per optimizer step (gradients accumulate over the SDE steps of the minibatch)."""
+    seed: int = 0
+    """Run seed: prompts, trajectory seeds and minibatch order derive from it."""
+    max_minutes: float = 0.0
+    """Stop after this much training time (checked between iterations); 0 = no limit."""
+    num_threads: int = 0
+    """torch CPU threads; 0 keeps torch's default."""
+
+
+@dataclass
+class LogConfig:
+    """Tracking and checkpoints."""
+
+    wandb_project: str = "spotlight"
+    """wandb project name."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode; online needs `wandb login` (or WANDB_API_KEY)."""
+    images_every: int = 10
+    """Log an image grid every this many iterations."""
+    checkpoint_every: int = 10
+    """Save a checkpoint every this many iterations (and at the end)."""
+    keep_last: int = 3
+    """Checkpoints kept on disk."""
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation (`spotlight eval`)."""
+
+    num_seeds: int = 4
+    """Seeds per prompt."""
+    seed_offset: int = 1_000_000
+    """First evaluation seed (kept apart from training seeds)."""
+    batch_size: int = 64
+    """Samples per forward batch."""
+
+
+@dataclass
+class DiTRecipe:
+    """A DiT GRPO post-training recipe."""
+
+    name: str = "tiny-shapes"
+    """Recipe name (the wandb run name and the default run directory name)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model."""
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    """Sampling."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Rewards."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Tracking and checkpoints."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation."""
+
+    def validate(self) -> None:
+        if self.train.group_size < 2:
+            raise ValueError(f"train.group_size must be >= 2 for GRPO, got {self.train.group_size}")
+        if self.sample.guidance_scale < 1:
+            raise ValueError(f"sample.guidance_scale must be >= 1 (1 disables CFG), got {self.sample.guidance_scale}")
+
+
+@dataclass
+class TinyModelConfig:
+    """Sizes of a tiny Qwen-Image model folder (see `spotlight.tiny`)."""
+
+    image_size: int = 64
+    """Image height and width in pixels."""
+    codec_factor: int = 4
+    """Space-to-depth factor of the pixel codec (latent = image / factor)."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention heads."""
+    head_dim: int = 32
+    """Channels per head."""
+    text_hidden: int = 64
+    """Hidden size of the Qwen2.5-VL prompt encoder (= the transformer's joint_attention_dim)."""
+    seed: int = 0
+    """Initialisation seed."""
+
+
+@dataclass
+class PretrainConfig:
+    """Rectified-flow pretraining of the tiny shapes base model (`spotlight pretrain`)."""
+
+    model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """Model sizes."""
+    num_steps: int = 1200
+    """Optimizer steps."""
+    batch_size: int = 64
+    """Images per step."""
+    lr: float = 1e-3
+    """AdamW learning rate (short warm-up, cosine decay to a tenth)."""
+    num_heldout: int = 64
+    """Held-out prompts excluded from pretraining (the same split as the GRPO recipe's)."""
+    split_seed: int = 0
+    """Seed of the train / held-out split."""
+    seed: int = 0
+    """Data seed."""
+    max_minutes: float = 0.0
+    """Stop after this much time; 0 = no limit."""
+    num_threads: int = 0
+    """torch CPU threads; 0 keeps torch's default."""

@@ -1,0 +1,90 @@
+"""GRPO math for flow-matching policies (pure functions on tensors).
+
+Shape legend: P prompts, G samples per prompt (the group), B = P * G samples.
+
+References: Shao et al. 2024 (DeepSeekMath, GRPO: group-relative advantages); Liu et al. 2025
+(Flow-GRPO: per-step Gaussian policy of the SDE sampler, clipped ratio, KL between step means);
+Yu et al. 2025 (DAPO: groups with identical rewards carry no gradient and are filtered).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Advantages:
+    """Per-sample advantages and which samples carry a training signal."""
+
+    adv_PG: torch.Tensor
+    """(P, G) advantages; 0 where not trainable."""
+    trainable_PG: torch.Tensor
+    """(P, G) bool: valid reward and a group with reward variance."""
+    num_zero_variance_groups: int
+    """Groups whose valid rewards were all equal (filtered)."""
+    num_dropped_samples: int
+    """Samples whose reward was NaN (failed reward), dropped from their group."""
+
+
+def group_advantages(
+    rewards_PG: torch.Tensor, *, std_mode: str = "batch", clip: float = 5.0, eps: float = 1e-4
+) -> Advantages:
+    """A = (r - mean_group) / (std + eps), clamped to [-clip, clip].
+
+    NaN rewards (a failed reward function) are dropped: they count neither in their group's mean
+    nor in the std, and get no advantage. A group with fewer than two valid rewards, or whose
+    valid rewards are all equal, has no signal and is filtered.
+
+    Args:
+        rewards_PG: (P, G) rewards, NaN for dropped samples.
+        std_mode: "group" (per-group std) or "batch" (std over all valid rewards; Flow-GRPO).
+        clip: clamp of |A|.
+        eps: added to the std.
+    """
+    if std_mode not in ("group", "batch"):
+        raise ValueError(f"std_mode must be 'group' or 'batch', got {std_mode!r}")
+    r = rewards_PG.double()
+    valid = ~torch.isnan(r)
+    count = valid.sum(dim=1, keepdim=True)
+    filled = torch.where(valid, r, torch.zeros_like(r))
+    mean = filled.sum(dim=1, keepdim=True) / count.clamp_min(1)
+    centred = torch.where(valid, r - mean, torch.zeros_like(r))
+    group_var = (centred**2).sum(dim=1, keepdim=True) / count.clamp_min(1)
+    has_signal = (count >= 2) & (group_var > 1e-12)
+    if std_mode == "group":
+        std = group_var.sqrt()
+    else:
+        std = r[valid].std(unbiased=False) if valid.any() else torch.zeros((), dtype=r.dtype)
+    adv = (centred / (std + eps)).clamp(-clip, clip)
+    trainable = valid & has_signal
+    adv = torch.where(trainable, adv, torch.zeros_like(adv)).float()
+    return Advantages(
+        adv_PG=adv,
+        trainable_PG=trainable,
+        num_zero_variance_groups=int(((count >= 1) & ~has_signal).sum()),
+        num_dropped_samples=int((~valid).sum()),
+    )
+
+
+def clipped_policy_loss(
+    logp_B: torch.Tensor, old_logp_B: torch.Tensor, adv_B: torch.Tensor, clip_range: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO/GRPO surrogate mean(max(-A r, -A clip(r, 1 - e, 1 + e))) with r = exp(logp - old_logp)."""
+    ratio = torch.exp(logp_B - old_logp_B)
+    unclipped = -adv_B * ratio
+    clipped = -adv_B * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
+    loss = torch.maximum(unclipped, clipped).mean()
+    with torch.no_grad():
+        stats = {
+            "clip_frac": (torch.abs(ratio - 1) > clip_range).float().mean().item(),
+            "approx_kl_old": (0.5 * (logp_B - old_logp_B) ** 2).mean().item(),
+        }
+    return loss, stats
+
+
+def gaussian_mean_kl(mean_B: torch.Tensor, ref_mean_B: torch.Tensor, std_B: torch.Tensor) -> torch.Tensor:
+    """(B,) KL between two Gaussian steps of equal std: ||mu - mu_ref||^2 / (2 std^2), averaged per sample."""
+    per_elem = (mean_B - ref_mean_B) ** 2 / (2 * std_B**2)
+    return per_elem.mean(dim=tuple(range(1, mean_B.ndim)))

@@ -1,0 +1,105 @@
+"""Rollouts: sample seeded trajectories with a DiT policy and decode them to images.
+
+Shape legend: B samples, L image tokens, C packed channels, N steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from spotlight.policy import DiTPolicy
+from spotlight.sampling import Trajectory, cfg_combine, sample
+
+
+@dataclass
+class PromptBatch:
+    """Encoded prompts (and negative prompts when true CFG is on) for a batch of samples."""
+
+    embeds: torch.Tensor
+    """(B, T, D) prompt embeddings."""
+    mask: torch.Tensor
+    """(B, T) prompt mask."""
+    neg_embeds: torch.Tensor | None = None
+    """(B, T', D) negative prompt embeddings, only with CFG."""
+    neg_mask: torch.Tensor | None = None
+    """(B, T') negative prompt mask."""
+
+    def select(self, index: torch.Tensor) -> PromptBatch:
+        pick = (lambda t: None if t is None else t[index])  # noqa: E731
+        return PromptBatch(pick(self.embeds), pick(self.mask), pick(self.neg_embeds), pick(self.neg_mask))
+
+
+def encode(policy: DiTPolicy, prompts: Sequence[str], guidance_scale: float, negative_prompt: str) -> PromptBatch:
+    embeds, mask = policy.encode_prompts(list(prompts))
+    if guidance_scale == 1.0:
+        return PromptBatch(embeds, mask)
+    neg_embeds, neg_mask = policy.encode_prompts([negative_prompt] * len(prompts))
+    return PromptBatch(embeds, mask, neg_embeds, neg_mask)
+
+
+def guided_velocity(
+    policy: DiTPolicy, latents_BLC: torch.Tensor, sigma_B: torch.Tensor, batch: PromptBatch, guidance_scale: float
+) -> torch.Tensor:
+    """Velocity (B, L, C), with Qwen-Image's true CFG when guidance_scale > 1."""
+    cond = policy.velocity(latents_BLC, sigma_B, batch.embeds, batch.mask)
+    if batch.neg_embeds is None:
+        return cond
+    uncond = policy.velocity(latents_BLC, sigma_B, batch.neg_embeds, batch.neg_mask)
+    return cfg_combine(cond, uncond, guidance_scale)
+
+
+@dataclass
+class Rollout:
+    """Samples of one rollout, with what the GRPO update needs to recompute their log-probs."""
+
+    prompts: list[str]
+    """B prompts, one per sample."""
+    seeds: list[int]
+    """B trajectory seeds."""
+    trajectory: Trajectory
+    """Latents (N + 1, B, L, C), log-probs (N, B), schedule and stochastic steps."""
+    images: torch.Tensor
+    """(B, 3, H, W) decoded images in [0, 1]."""
+
+
+@torch.no_grad()
+def rollout(
+    policy: DiTPolicy,
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    sigmas: torch.Tensor,
+    *,
+    noise_level: float,
+    sde_steps: Sequence[int] | None = None,
+    guidance_scale: float = 1.0,
+    negative_prompt: str = " ",
+    batch_size: int = 64,
+) -> Rollout:
+    """Sample one trajectory per (prompt, seed) in chunks of `batch_size`; results do not depend on it."""
+    if len(prompts) != len(seeds):
+        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    chunks: list[Trajectory] = []
+    for start in range(0, len(prompts), batch_size):
+        p = list(prompts[start : start + batch_size])
+        batch = encode(policy, p, guidance_scale, negative_prompt)
+        chunks.append(
+            sample(
+                lambda x, s: guided_velocity(policy, x, s, batch, guidance_scale),
+                seeds[start : start + batch_size],
+                policy.latent_shape,
+                sigmas,
+                noise_level=noise_level,
+                sde_steps=sde_steps,
+                device=policy.device,
+            )
+        )
+    traj = Trajectory(
+        latents=torch.cat([c.latents for c in chunks], dim=1),
+        log_probs=torch.cat([c.log_probs for c in chunks], dim=1),
+        sigmas=sigmas,
+        sde_steps=chunks[0].sde_steps,
+    )
+    return Rollout(list(prompts), list(seeds), traj, policy.decode(traj.final))

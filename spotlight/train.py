@@ -1,0 +1,173 @@
+"""The DiT GRPO driver: rollout, reward, advantage, update, checkpoint; read it top to bottom.
+
+Every random choice of iteration k (its prompts, the trajectory seeds, the SDE window, the
+minibatch order) is derived from (train.seed, k), so a run resumed from the checkpoint after
+iteration k repeats exactly what the uninterrupted run would have done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
+from spotlight.config import DiTRecipe
+from spotlight.config_io import dump_yaml, save_config, to_dict
+from spotlight.grpo import group_advantages
+from spotlight.policy import load_policy, load_trainable_state, trainable_state
+from spotlight.prompts import train_and_eval_prompts
+from spotlight.rewards import build_reward
+from spotlight.rollout import rollout
+from spotlight.sampling import derive_seed, qwen_image_sigmas, sde_step_indices
+from spotlight.tracking import Tracker
+from spotlight.trainer import GRPOTrainer
+
+logger = logging.getLogger(__name__)
+
+
+def plan_iteration(cfg: DiTRecipe, train_prompts: list[str], iteration: int) -> tuple[list[str], list[int], list[int]]:
+    """Prompts (P * G, prompt-major), trajectory seeds and stochastic steps of one iteration."""
+    rng = np.random.default_rng(derive_seed(cfg.train.seed, iteration))
+    num_prompts, group = cfg.train.prompts_per_iteration, cfg.train.group_size
+    chosen = rng.choice(len(train_prompts), size=num_prompts, replace=num_prompts > len(train_prompts))
+    prompts = [train_prompts[i] for i in chosen for _ in range(group)]
+    seeds = [derive_seed(cfg.train.seed, iteration, p, g) for p in range(num_prompts) for g in range(group)]
+    start = 0
+    if cfg.sample.sde_window_size:
+        lo, hi = cfg.sample.sde_window_range
+        start = int(rng.integers(lo, hi + 1))
+    return prompts, seeds, sde_step_indices(cfg.sample.num_steps, cfg.sample.sde_window_size, start)
+
+
+def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, progress: bool = True) -> dict:
+    """Post-train the policy of `cfg` with GRPO, writing config, metrics, images and checkpoints to run_dir."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    console = Console(quiet=not progress)
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    save_config(cfg, run_dir / "config.yaml")
+
+    train_prompts, _ = train_and_eval_prompts(cfg.data, cfg.reward.weights)
+    policy = load_policy(cfg.model)
+    trainer = GRPOTrainer(policy, cfg)
+    reward_fn = build_reward(cfg.reward.weights, clip_model_path=cfg.reward.clip_model_path)
+    sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
+
+    start_iter = 0
+    latest = find_latest_checkpoint(run_dir) if resume else None
+    if latest is not None:
+        ckpt = load_checkpoint(latest)
+        load_trainable_state(policy, ckpt.tensors["trainable"])
+        trainer.optimizer.load_state_dict(ckpt.optimizer_state)
+        restore_rng_state(ckpt.rng_state)
+        start_iter = ckpt.step
+        console.print(f"resuming from {ckpt.path} (iteration {start_iter})")
+
+    def checkpoint(step: int, metrics: dict) -> Path:
+        return save_checkpoint(
+            run_dir,
+            step,
+            tensors={"trainable": trainable_state(policy)},
+            optimizer_state=trainer.optimizer.state_dict(),
+            rng_state=capture_rng_state(),
+            meta={"step": step, "metrics": metrics, "lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha},
+            config_yaml=dump_yaml(cfg),
+            keep_last=cfg.log.keep_last,
+        )
+
+    P, G = cfg.train.prompts_per_iteration, cfg.train.group_size
+    history: list[dict] = []
+    last_ckpt: Path | None = latest
+    began = time.monotonic()
+    columns = [TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
+    with Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) as tracker, Progress(*columns, console=console) as bar:
+        task = bar.add_task("", total=cfg.train.num_iterations, completed=start_iter)
+        for it in range(start_iter, cfg.train.num_iterations):
+            t0 = time.monotonic()
+            # 1. Rollout: G seeded trajectories per prompt with the current weights.
+            prompts, seeds, sde_steps = plan_iteration(cfg, train_prompts, it)
+            ro = rollout(
+                policy, prompts, seeds, sigmas,
+                noise_level=cfg.sample.noise_level,
+                sde_steps=sde_steps,
+                guidance_scale=cfg.sample.guidance_scale,
+                negative_prompt=cfg.sample.negative_prompt,
+                batch_size=P * G,
+            )  # fmt: skip
+            t1 = time.monotonic()
+            # 2. Rewards; a failed reward leaves NaN, which drops the sample from its group.
+            reward = reward_fn(ro.images, prompts)
+            # 3. Group-relative advantages; zero-variance groups are filtered.
+            adv = group_advantages(reward.total_B.view(P, G), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip)
+            t2 = time.monotonic()
+            # 4. Policy update on the stochastic steps.
+            stats = trainer.update(ro, adv, it)
+            t3 = time.monotonic()
+
+            valid = reward.total_B[~torch.isnan(reward.total_B)]
+            metrics = {
+                "reward/mean": float(valid.mean()) if len(valid) else float("nan"),
+                "reward/std": float(valid.std(unbiased=False)) if len(valid) else float("nan"),
+                "reward/num_failed": reward.num_failed,
+                "grpo/zero_variance_groups": adv.num_zero_variance_groups,
+                "grpo/dropped_samples": adv.num_dropped_samples,
+                **{f"reward/{k}": float(v[~torch.isnan(v)].mean()) for k, v in reward.components.items()},
+                **{f"grpo/{k}": v for k, v in stats.items()},
+                "time/rollout_s": t1 - t0,
+                "time/reward_s": t2 - t1,
+                "time/update_s": t3 - t2,
+            }
+            step = it + 1
+            tracker.log(metrics, step=step)
+            history.append(metrics)
+            if cfg.log.images_every and step % cfg.log.images_every == 0:
+                firsts = ro.images[::G][:16]
+                tracker.log_images("rollout", firsts, prompts[::G][:16], step=step, nrow=4)
+            out_of_time = cfg.train.max_minutes and time.monotonic() - began > 60 * cfg.train.max_minutes
+            if step % cfg.log.checkpoint_every == 0 or step == cfg.train.num_iterations or out_of_time:
+                last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith("time/")})
+            bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
+            if out_of_time:
+                console.print(f"train.max_minutes={cfg.train.max_minutes} reached after iteration {step}")
+                break
+
+    summary = _summary(history, start_iter, time.monotonic() - began, last_ckpt)
+    _print_summary(console, summary)
+    return summary
+
+
+def _summary(history: list[dict], start_iter: int, seconds: float, last_ckpt: Path | None) -> dict:
+    rewards = [m["reward/mean"] for m in history]
+    window = max(1, min(5, len(rewards) // 2))
+    return {
+        "iterations": start_iter + len(history),
+        "iterations_this_run": len(history),
+        "reward_first": float(np.mean(rewards[:window])) if rewards else None,
+        "reward_last": float(np.mean(rewards[-window:])) if rewards else None,
+        "seconds": round(seconds, 1),
+        "checkpoint": str(last_ckpt) if last_ckpt else None,
+    }
+
+
+def _print_summary(console: Console, summary: dict) -> None:
+    table = Table(title="spotlight train", show_header=False)
+    labels = {
+        "iterations": "iterations done",
+        "iterations_this_run": "iterations this run",
+        "reward_first": "mean reward, first iterations",
+        "reward_last": "mean reward, last iterations",
+        "seconds": "wall time (s)",
+        "checkpoint": "last checkpoint",
+    }
+    for key, label in labels.items():
+        value = summary[key]
+        table.add_row(label, f"{value:.4f}" if isinstance(value, float) and key != "seconds" else str(value))
+    console.print(table)

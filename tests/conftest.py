@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny real models built from config (no downloads), quiet libraries."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quiet():
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Qwen-Image folder: 32x32 images, 16 tokens, one transformer block."""
+    from spotlight.config import TinyModelConfig
+    from spotlight.rewards.shapes import all_prompts
+    from spotlight.tiny import build_tiny_model
+
+    spec = TinyModelConfig(image_size=32, codec_factor=4, num_layers=1, num_heads=2, head_dim=16, text_hidden=32)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", spec, all_prompts())
+
+
+@pytest.fixture()
+def tiny_policy(tiny_model_dir):
+    from spotlight.policy import DiTPolicy
+
+    return DiTPolicy.load(tiny_model_dir, height=32, width=32, max_text_tokens=16)

@@ -1,0 +1,164 @@
+"""The `spotlight` command end to end with tiny budgets, resume exactness, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from spotlight.checkpoint import load_checkpoint
+from spotlight.cli import main
+from spotlight.tracking import read_metrics
+
+
+def tiny_overrides(model_dir: Path, iterations: int = 2) -> list[str]:
+    return [
+        f"model.path={model_dir}",
+        "model.height=32",
+        "model.width=32",
+        "sample.num_steps=3",
+        "sample.eval_num_steps=3",
+        f"train.num_iterations={iterations}",
+        "train.prompts_per_iteration=2",
+        "train.group_size=4",
+        "train.minibatch_size=4",
+        "log.checkpoint_every=2",
+        "log.images_every=2",
+        "eval.num_seeds=1",
+        "data.num_heldout=8",
+    ]
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, WANDB_MODE="offline")
+    return subprocess.run(
+        [sys.executable, "-m", "spotlight.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def without_time(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def test_train_eval_sample_end_to_end(tiny_model_dir, tmp_path):
+    """The real entry point as a subprocess: train, then eval the run and sample a grid."""
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "configs/dit/tiny-shapes.yaml", *tiny_overrides(tiny_model_dir), "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert "spotlight train" in proc.stdout  # the closing summary
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
+    ckpt = load_checkpoint(run_dir)
+    assert ckpt.step == 2
+    assert "num_iterations: 2" in (run_dir / "config.yaml").read_text()
+    assert (run_dir / "images" / "rollout-000002.png").is_file()
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+
+    proc = run_cli("eval", *tiny_overrides(tiny_model_dir), "--checkpoint", str(run_dir), "--json")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert result["num_prompts"] == 8 and result["step"] == 2
+    assert 0.0 <= result["mean_reward"] <= 1.0
+
+    out = tmp_path / "grid.png"
+    proc = run_cli("sample", *tiny_overrides(tiny_model_dir), "--prompt", "two red circles", "--seeds", "1", "2",
+                   "--checkpoint", str(run_dir), "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    from PIL import Image
+
+    assert Image.open(out).size == (2 * 32 + 2, 32)
+
+
+def test_resume_is_exact(tiny_model_dir, tmp_path):
+    """Interrupted after 2 iterations and resumed == 4 uninterrupted iterations (metrics and weights)."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert main(["train", *tiny_overrides(tiny_model_dir, 4), "--run-dir", str(full), "--quiet"]) == 0
+    assert main(["train", *tiny_overrides(tiny_model_dir, 2), "--run-dir", str(split), "--quiet"]) == 0
+    assert main(["train", *tiny_overrides(tiny_model_dir, 4), "--run-dir", str(split), "--quiet"]) == 0
+    assert without_time(read_metrics(split)) == without_time(read_metrics(full))
+    a, b = load_checkpoint(full), load_checkpoint(split)
+    assert a.step == b.step == 4
+    for key, value in a.tensors["trainable"].items():
+        assert torch.equal(value, b.tensors["trainable"][key]), key
+
+
+def test_ctrl_c_keeps_last_checkpoint_and_resumes(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*tiny_overrides(tiny_model_dir, 200), "log.checkpoint_every=1", "--run-dir", str(run_dir), "--quiet"]
+    proc = subprocess.Popen([sys.executable, "-m", "spotlight.cli", "train", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 180
+    while not latest.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert latest.exists(), proc.stderr.read() if proc.poll() is not None else "no checkpoint in time"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    step = load_checkpoint(run_dir).step  # verified checksums: intact
+    assert step >= 1
+    # The same command resumes from there.
+    assert main(["train", *tiny_overrides(tiny_model_dir, step + 1), "--run-dir", str(run_dir), "--quiet"]) == 0
+    assert load_checkpoint(run_dir).step == step + 1
+
+
+def test_malformed_prompt_file_names_file_and_line(tiny_model_dir, tmp_path, capsys):
+    bad = tmp_path / "prompts.txt"
+    bad.write_text("two red circles\n# a comment\n\nfive purple hexagons\n")
+    code = main(["eval", *tiny_overrides(tiny_model_dir), "--prompts", str(bad), "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{bad}:4:" in err and "five" in err
+
+
+def test_missing_model_path_names_path_and_field(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    code = main(["eval", f"model.path={missing}", "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.path" in err and str(missing) in err
+
+
+def test_corrupt_checkpoint_is_refused(tiny_model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", *tiny_overrides(tiny_model_dir, 2), "--run-dir", str(run_dir), "--quiet"]) == 0
+    weights = next((run_dir / "checkpoints").glob("step-*/trainable.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    code = main(["eval", *tiny_overrides(tiny_model_dir), "--checkpoint", str(run_dir), "--json"])
+    err = capsys.readouterr().err
+    assert code == 2 and "trainable.safetensors" in err and "sha256" in err
+
+
+def test_config_errors_name_key_and_suggestion(capsys):
+    assert main(["config", "configs/dit/tiny-shapes.yaml", "train.lrr=1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "train.lrr" in err and "train.lr" in err
+    assert main(["config", "train.lr=fast"]) == 2
+    assert "train.lr" in capsys.readouterr().err
+
+
+def test_tiny_shapes_recipe_is_the_embedded_default():
+    from spotlight.config import DiTRecipe
+    from spotlight.config_io import load_config
+
+    assert load_config(DiTRecipe, "configs/dit/tiny-shapes.yaml") == DiTRecipe()
+
+
+@pytest.mark.parametrize("recipe", sorted(str(p) for p in Path("configs/dit").glob("*.yaml")))
+def test_every_recipe_loads(recipe):
+    from spotlight.config import DiTRecipe, PretrainConfig
+    from spotlight.config_io import load_config
+
+    load_config(PretrainConfig if "pretrain" in recipe else DiTRecipe, recipe)
