@@ -81,7 +81,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         prompts = train_and_eval_prompts(cfg.data, cfg.reward.weights)[1]
     policy, ckpt = _policy_with_checkpoint(cfg, args.checkpoint)
-    reward_fn = build_reward(cfg.reward.weights, clip_model_path=cfg.reward.clip_model_path)
+    reward_fn = build_reward(cfg.reward.weights, **cfg.reward.options())
     summary, images = evaluate(policy, prompts, reward_fn, cfg, progress=not args.json)
     summary["checkpoint"] = str(ckpt.path) if ckpt else None
     summary["step"] = ckpt.step if ckpt else 0
@@ -182,7 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may follow options (`eval --json train.seed=1`): argparse leaves those unparsed.
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.items += extra
     _quiet_libraries()
     try:
         return args.fn(args)

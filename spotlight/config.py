@@ -8,7 +8,7 @@ recipe (see `config_io.py`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 
@@ -18,9 +18,9 @@ class ModelConfig:
 
     path: str = ""
     """Qwen-Image model folder (diffusers layout); empty = the tiny shapes base shipped with spotlight."""
-    height: int = 64
+    height: int = 32
     """Image height in pixels."""
-    width: int = 64
+    width: int = 32
     """Image width in pixels."""
     max_text_tokens: int = 16
     """Prompt tokens after the template (fixed padding); 0 pads to the longest prompt of each batch."""
@@ -76,6 +76,12 @@ class RewardConfig:
     """Reward name -> weight; the total is the weighted sum (see `spotlight.rewards`)."""
     clip_model_path: str = ""
     """Local CLIP/PickScore folder for the `clip_score` reward."""
+    clip_processor_path: str = ""
+    """Local folder of the CLIP tokenizer and image processor; empty = clip_model_path."""
+
+    def options(self) -> dict:
+        """Every field but the weights: the options `rewards.build_reward` routes to each reward."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "weights"}
 
 
 @dataclass
@@ -96,14 +102,14 @@ class DataConfig:
 class TrainConfig:
     """GRPO optimisation."""
 
-    num_iterations: int = 60
+    num_iterations: int = 110
     """Rollout + update iterations."""
     prompts_per_iteration: int = 8
     """Prompts sampled per iteration."""
-    group_size: int = 8
+    group_size: int = 16
     """Seeds per prompt (G): the GRPO group."""
-    lr: float = 3e-4
-    """AdamW learning rate."""
+    lr: float = 3e-5
+    """AdamW learning rate (the tiny full fine-tune degrades at 1e-4 and collapses at 3e-4)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -118,11 +124,11 @@ class TrainConfig:
     """KL weight to the reference policy (LoRA disabled, or a frozen copy for full fine-tuning)."""
     num_inner_epochs: int = 1
     """Passes over each iteration's rollouts."""
-    minibatch_size: int = 32
+    minibatch_size: int = 64
     """Samples per optimizer step (gradients accumulate over the SDE steps of the minibatch)."""
     seed: int = 0
     """Run seed: prompts, trajectory seeds and minibatch order derive from it."""
-    max_minutes: float = 0.0
+    max_minutes: float = 13.5
     """Stop after this much training time (checked between iterations); 0 = no limit."""
     num_threads: int = 0
     """torch CPU threads; 0 keeps torch's default."""
@@ -188,10 +194,11 @@ class DiTRecipe:
 class TinyModelConfig:
     """Sizes of a tiny Qwen-Image model folder (see `spotlight.tiny`)."""
 
-    image_size: int = 64
+    image_size: int = 32
     """Image height and width in pixels."""
-    codec_factor: int = 4
-    """Space-to-depth factor of the pixel codec (latent = image / factor)."""
+    codec_factor: int = 2
+    """Space-to-depth factor of the pixel codec (latent = image / factor); keep 4 * 3 * factor^2
+    (a token's channels) below num_heads * head_dim, or the model cannot denoise every pixel."""
     num_layers: int = 4
     """Transformer blocks."""
     num_heads: int = 4
@@ -210,8 +217,8 @@ class PretrainConfig:
 
     model: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Model sizes."""
-    num_steps: int = 1200
-    """Optimizer steps."""
+    num_steps: int = 300
+    """Optimizer steps (short on purpose: the base should fail often, leaving room for RL)."""
     batch_size: int = 64
     """Images per step."""
     lr: float = 1e-3

@@ -58,7 +58,7 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
     train_prompts, _ = train_and_eval_prompts(cfg.data, cfg.reward.weights)
     policy = load_policy(cfg.model)
     trainer = GRPOTrainer(policy, cfg)
-    reward_fn = build_reward(cfg.reward.weights, clip_model_path=cfg.reward.clip_model_path)
+    reward_fn = build_reward(cfg.reward.weights, **cfg.reward.options())
     sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
 
     start_iter = 0

@@ -162,3 +162,36 @@ def test_every_recipe_loads(recipe):
     from spotlight.config_io import load_config
 
     load_config(PretrainConfig if "pretrain" in recipe else DiTRecipe, recipe)
+
+
+def test_pretrain_command_builds_a_loadable_model(tmp_path, capsys):
+    out = tmp_path / "base"
+    args = ["pretrain", "configs/dit/tiny-pretrain.yaml", "model.num_layers=1", "model.num_heads=2", "model.head_dim=16",
+            "model.text_hidden=32", "num_steps=3", "batch_size=4", "--out", str(out), "--quiet"]  # fmt: skip
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 3
+    from spotlight.policy import DiTPolicy
+
+    policy = DiTPolicy.load(out, height=32, width=32, max_text_tokens=16)
+    assert policy.latent_shape == (64, 48)
+
+
+def test_shipped_base_model_is_the_default():
+    from spotlight.config import DiTRecipe
+    from spotlight.policy import default_model_path, load_policy
+
+    assert (default_model_path() / "transformer" / "config.json").is_file()
+    policy = load_policy(DiTRecipe().model, trainable=False)
+    assert policy.latent_shape == (64, 48)
+    assert sum(p.numel() for p in policy.transformer.parameters()) > 1_000_000
+
+
+def test_heldout_prompt_file_is_disjoint_from_training():
+    from spotlight.config import DataConfig
+    from spotlight.prompts import read_prompt_file, train_and_eval_prompts
+
+    train, heldout = train_and_eval_prompts(DataConfig(), ["shapes"])
+    shipped = read_prompt_file("configs/prompts/shapes-heldout.txt")
+    assert shipped == heldout and len(shipped) == 64
+    assert not set(shipped) & set(train)

@@ -1,1 +1,5 @@
-"""placeholder"""
+"""VLM GRPO for Qwen2.5-VL / Qwen3-VL with the Rollplex schedule (design.md §3.5).
+
+Empty so far: the VLM path is its own issue. The package exists now so that the layout of
+docs/architecture.md holds from the start.
+"""
