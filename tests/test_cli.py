@@ -195,3 +195,16 @@ def test_heldout_prompt_file_is_disjoint_from_training():
     shipped = read_prompt_file("configs/prompts/shapes-heldout.txt")
     assert shipped == heldout and len(shipped) == 64
     assert not set(shipped) & set(train)
+
+
+def test_lora_run_evaluates_with_its_adapter(tiny_model_dir, tmp_path, capsys):
+    """A LoRA run saves only the adapter; eval rebuilds it from the checkpoint, whatever the recipe says."""
+    run_dir = tmp_path / "lora"
+    overrides = tiny_overrides(tiny_model_dir, 2)
+    assert main(["train", *overrides, "model.lora_rank=4", "--run-dir", str(run_dir), "--quiet"]) == 0
+    saved = load_checkpoint(run_dir).tensors["trainable"]
+    assert saved and all("lora" in key for key in saved)
+    capsys.readouterr()
+    assert main(["eval", *overrides, "--checkpoint", str(run_dir), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["step"] == 2 and 0.0 <= result["mean_reward"] <= 1.0
