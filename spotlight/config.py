@@ -56,6 +56,8 @@ class SampleConfig:
     """Negative prompt for true CFG."""
     eval_noise_level: float = 0.0
     """Noise level for evaluation sampling; 0 is the deterministic ODE sampler."""
+    batch_size: int = 128
+    """Samples per forward batch in training rollouts (results do not depend on it; size it to memory)."""
 
     def validate(self) -> None:
         if self.sde_window_size > self.num_steps:

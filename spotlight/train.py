@@ -100,7 +100,7 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
                 sde_steps=sde_steps,
                 guidance_scale=cfg.sample.guidance_scale,
                 negative_prompt=cfg.sample.negative_prompt,
-                batch_size=P * G,
+                batch_size=cfg.sample.batch_size,
             )  # fmt: skip
             t1 = time.monotonic()
             # 2. Rewards; a failed reward leaves NaN, which drops the sample from its group.
