@@ -19,7 +19,7 @@ import torch
 
 from spotlight.config import DiTRecipe
 from spotlight.policy import load_policy
-from spotlight.rewards.shapes import split_prompts
+from spotlight.prompts import train_and_eval_prompts
 from spotlight.sampling import qwen_image_sigmas, sample
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     batch = cfg.train.prompts_per_iteration * cfg.train.group_size
     steps = cfg.sample.num_steps
     policy = load_policy(cfg.model, trainable=False)
-    prompts = split_prompts(0, 64)[0][:batch]
+    prompts = train_and_eval_prompts(cfg.data, cfg.reward.weights)[0][:batch]
     embeds, mask = policy.encode_prompts(prompts)
     sigmas = qwen_image_sigmas(steps, policy.latent_shape[0])
     seeds = list(range(batch))

@@ -221,7 +221,7 @@ def load_trainable_state(policy: DiTPolicy, state: dict[str, torch.Tensor]) -> N
         from peft.utils import set_peft_model_state_dict
 
         result = set_peft_model_state_dict(policy.transformer, state)
-        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        unexpected = result.unexpected_keys  # peft loads with strict=False; we want strict
         if unexpected:
             raise ValueError(f"LoRA state has keys this model lacks (different lora_rank or model?): {unexpected[:3]}")
         return
