@@ -44,8 +44,10 @@ class SampleConfig:
     """Denoising steps of training rollouts."""
     eval_num_steps: int = 10
     """Denoising steps for evaluation and `spotlight sample`."""
+    sde_type: Literal["flow_grpo", "cps"] = "flow_grpo"
+    """Stochastic step: "flow_grpo" (Flow-GRPO's SDE) or "cps" (coefficient-preserving; noise_level is then eta in [0, 1])."""
     noise_level: float = 1.2
-    """SDE noise scale a (Flow-GRPO: 0.7 SD3.5, 0.9 FLUX, 1.2 Qwen-Image)."""
+    """SDE noise scale a (Flow-GRPO: 0.7 SD3.5, 0.9 FLUX, 1.2 Qwen-Image); for "cps", the fresh-noise fraction eta."""
     sde_window_size: int = 0
     """Number of consecutive stochastic (trained) steps; 0 makes every step stochastic."""
     sde_window_range: tuple[int, int] = (0, 5)
@@ -60,6 +62,16 @@ class SampleConfig:
     """Samples per forward batch in training rollouts (results do not depend on it; size it to memory)."""
 
     def validate(self) -> None:
+        if self.sde_type == "cps":
+            if not 0 < self.noise_level <= 1:
+                raise ValueError(f"with sde_type 'cps', noise_level is eta and must be in (0, 1], got {self.noise_level}")
+            # The last step lands on sigma = 0, where a CPS step has no noise to add.
+            last_start = self.sde_window_range[1] + self.sde_window_size
+            if self.sde_window_size == 0 or last_start > self.num_steps - 1:
+                raise ValueError(
+                    "with sde_type 'cps' the SDE window must leave the last step deterministic: "
+                    f"need sde_window_size > 0 and sde_window_range[1] + sde_window_size <= num_steps - 1 = {self.num_steps - 1}"
+                )
         if self.sde_window_size > self.num_steps:
             raise ValueError(f"sde_window_size={self.sde_window_size} exceeds num_steps={self.num_steps}")
         lo, hi = self.sde_window_range
@@ -124,6 +136,14 @@ class TrainConfig:
     """Normalise advantages by the per-group or the whole-batch reward std (Flow-GRPO: batch)."""
     beta: float = 0.0
     """KL weight to the reference policy (LoRA disabled, or a frozen copy for full fine-tuning)."""
+    objective: Literal["flow_grpo", "nft"] = "flow_grpo"
+    """Policy objective: "flow_grpo" (clipped ratio of SDE step log-probs) or "nft" (DiffusionNFT forward-process loss)."""
+    nft_beta: float = 1.0
+    """DiffusionNFT: step size beta of the implicit positive/negative policies (objective "nft")."""
+    nft_adv_max: float = 1.0
+    """DiffusionNFT: advantages are mapped to optimality r = 0.5 + 0.5 clip(A / nft_adv_max, -1, 1)."""
+    nft_num_timesteps: int = 4
+    """DiffusionNFT: noise levels drawn from the rollout schedule per sample and update."""
     num_inner_epochs: int = 1
     """Passes over each iteration's rollouts."""
     minibatch_size: int = 64
@@ -225,6 +245,8 @@ class PretrainConfig:
     """Images per step."""
     lr: float = 1e-3
     """AdamW learning rate (short warm-up, cosine decay to a tenth)."""
+    caption_noise: float = 0.0
+    """Per clause, the probability that the drawn image has a random count and shape instead of the caption's (web-like captions)."""
     num_heldout: int = 64
     """Held-out prompts excluded from pretraining (the same split as the GRPO recipe's)."""
     split_seed: int = 0

@@ -4,7 +4,8 @@ Shape legend: P prompts, G samples per prompt (the group), B = P * G samples.
 
 References: Shao et al. 2024 (DeepSeekMath, GRPO: group-relative advantages); Liu et al. 2025
 (Flow-GRPO: per-step Gaussian policy of the SDE sampler, clipped ratio, KL between step means);
-Yu et al. 2025 (DAPO: groups with identical rewards carry no gradient and are filtered).
+Yu et al. 2025 (DAPO: groups with identical rewards carry no gradient and are filtered);
+Zheng et al. 2025 (DiffusionNFT: the same group advantages drive a forward-process loss).
 """
 
 from __future__ import annotations
@@ -88,3 +89,34 @@ def gaussian_mean_kl(mean_B: torch.Tensor, ref_mean_B: torch.Tensor, std_B: torc
     """(B,) KL between two Gaussian steps of equal std: ||mu - mu_ref||^2 / (2 std^2), averaged per sample."""
     per_elem = (mean_B - ref_mean_B) ** 2 / (2 * std_B**2)
     return per_elem.mean(dim=tuple(range(1, mean_B.ndim)))
+
+
+def nft_loss(
+    velocity: torch.Tensor, old_velocity: torch.Tensor, target: torch.Tensor, optimality_B: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DiffusionNFT's negative-aware flow-matching loss (Zheng et al. 2025, arXiv 2509.16117, Eq. 8).
+
+    With the implicit positive and negative policies v+ = (1 - beta) v_old + beta v and
+    v- = (1 + beta) v_old - beta v, the per-sample loss is r ||v+ - target||^2 + (1 - r) ||v- - target||^2
+    (squared errors averaged over non-batch dimensions), averaged over the batch. At v = v_old its
+    gradient in v is 2 beta (2 r - 1) (v_old - target) / D per sample: advantage-weighted flow
+    matching, with r = 1/2 (an average sample) contributing nothing.
+
+    Args:
+        velocity: (B, ...) v of the weights being trained.
+        old_velocity: (B, ...) v_old of the weights that sampled the data (no gradient).
+        target: (B, ...) flow-matching target eps - x0 of the re-noised clean sample.
+        optimality_B: (B,) r in [0, 1].
+        beta: implicit policy step size (> 0).
+    """
+    v_old = old_velocity.detach()
+    dims = tuple(range(1, velocity.ndim))
+    pos_err = ((1 - beta) * v_old + beta * velocity - target).square().mean(dim=dims)
+    neg_err = ((1 + beta) * v_old - beta * velocity - target).square().mean(dim=dims)
+    loss = (optimality_B * pos_err + (1 - optimality_B) * neg_err).mean()
+    return loss, {"nft_pos_err": pos_err.mean().item(), "nft_neg_err": neg_err.mean().item()}
+
+
+def nft_optimality(adv_B: torch.Tensor, adv_max: float) -> torch.Tensor:
+    """DiffusionNFT's optimality probability r = 0.5 + 0.5 clip(A / adv_max, -1, 1)."""
+    return 0.5 + 0.5 * (adv_B / adv_max).clamp(-1, 1)

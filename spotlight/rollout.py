@@ -74,6 +74,7 @@ def rollout(
     *,
     noise_level: float,
     sde_steps: Sequence[int] | None = None,
+    sde_type: str = "flow_grpo",
     guidance_scale: float = 1.0,
     negative_prompt: str = " ",
     batch_size: int = 64,
@@ -93,6 +94,7 @@ def rollout(
                 sigmas,
                 noise_level=noise_level,
                 sde_steps=sde_steps,
+                sde_type=sde_type,
                 device=policy.device,
             )
         )

@@ -92,15 +92,91 @@ def sde_step(
     denom = torch.where(s == 1.0, s_next, s)
     std_t = noise_level * torch.sqrt(s / (1 - denom))
     mean = x + dt * (v + std_t**2 / (2 * s) * (x + (1 - s) * v))
-    std = std_t * torch.sqrt(-dt)
+    return _gaussian_transition(mean, std_t * torch.sqrt(-dt), noise, generator, prev_sample)
+
+
+def _gaussian_transition(
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    noise: torch.Tensor | None,
+    generator: torch.Generator | None,
+    prev_sample: torch.Tensor | None,
+) -> SDEStepOutput:
+    """Draws (or takes) the next sample of N(mean, std^2) and its log-density averaged per sample."""
     if prev_sample is None:
         if noise is None:
-            noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=x.device)
+            noise = torch.randn(mean.shape, generator=generator, dtype=torch.float32, device=mean.device)
         prev_sample = mean + std * noise.float()
     prev_sample = prev_sample.float()
     log_density = -((prev_sample.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
-    log_prob = log_density.mean(dim=tuple(range(1, x.ndim)))
+    log_prob = log_density.mean(dim=tuple(range(1, mean.ndim)))
     return SDEStepOutput(prev_sample, log_prob, mean, std)
+
+
+def cps_step(
+    velocity: torch.Tensor,
+    sample: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    eta: float,
+    *,
+    noise: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+) -> SDEStepOutput:
+    """One coefficient-preserving stochastic step (Wang et al. 2025, "Coefficients-Preserving
+    Sampling for Reinforcement Learning with Flow Matching", arXiv 2509.05952, Eq. 8).
+
+    The flow's state is x = (1 - sigma) x0 + sigma eps. The step predicts x0_hat = x - sigma v and
+    eps_hat = x + (1 - sigma) v, then re-mixes them at sigma_next, replacing a fraction eta of the
+    predicted noise by fresh noise so that the noise coefficient stays exactly sigma_next:
+        mean = (1 - sigma_next) x0_hat + sigma_next sqrt(1 - eta^2) eps_hat
+        x'   = mean + sigma_next eta eps
+    Unlike the Flow-GRPO step, the total noise never exceeds what the schedule prescribes (that
+    step's std near sigma = 1 overshoots the marginal at few steps; docs/tiny-recipe-notes.md).
+    At sigma_next = 0 the step is deterministic; it cannot be a stochastic (trained) step.
+    `eta = 0` is exactly the Euler ODE step, reported with log-prob 0.
+
+    Args:
+        velocity: (B, ...) model output v.
+        sample: (B, ...) current sample x at sigma.
+        sigma: float or (B,) current noise level.
+        sigma_next: float or (B,) next noise level (smaller, > 0 when eta > 0).
+        eta: fraction of fresh noise, in [0, 1].
+        noise: (B, ...) standard normal noise to use instead of drawing it.
+        generator: generator for drawing the noise when `noise` is not given.
+        prev_sample: (B, ...) an existing next sample whose log-prob is wanted (training recompute).
+
+    Returns:
+        SDEStepOutput with float32 prev_sample, log_prob (B,), mean and std.
+    """
+    if not 0 <= eta <= 1:
+        raise ValueError(f"the CPS step's eta (sample.noise_level) must be in [0, 1], got {eta}")
+    if eta == 0:
+        return sde_step(velocity, sample, sigma, sigma_next, 0.0, prev_sample=prev_sample)
+    x = sample.float()
+    v = velocity.float()
+    s = _per_sample(sigma, x)
+    s_next = _per_sample(sigma_next, x)
+    if bool((s_next <= 0).any()):
+        raise ValueError("a CPS step to sigma_next = 0 is deterministic and cannot be stochastic")
+    x0_hat = x - s * v
+    eps_hat = x + (1 - s) * v
+    mean = (1 - s_next) * x0_hat + s_next * math.sqrt(1 - eta**2) * eps_hat
+    return _gaussian_transition(mean, s_next * eta, noise, generator, prev_sample)
+
+
+SDE_TYPES = ("flow_grpo", "cps")
+"""Stochastic step kinds: `sde_step` (Flow-GRPO) and `cps_step` (coefficient-preserving)."""
+
+
+def stochastic_step(sde_type: str, *args, **kwargs) -> SDEStepOutput:
+    """Dispatches to `sde_step` ("flow_grpo") or `cps_step` ("cps") with the same arguments."""
+    if sde_type == "flow_grpo":
+        return sde_step(*args, **kwargs)
+    if sde_type == "cps":
+        return cps_step(*args, **kwargs)
+    raise ValueError(f"unknown sde_type {sde_type!r}; choose one of {', '.join(SDE_TYPES)}")
 
 
 def calculate_shift(
@@ -220,6 +296,7 @@ def sample(
     *,
     noise_level: float,
     sde_steps: Sequence[int] | None = None,
+    sde_type: str = "flow_grpo",
     start_step: int = 0,
     start_latents: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
@@ -233,6 +310,7 @@ def sample(
         sigmas: (N + 1,) schedule from `qwen_image_sigmas`.
         noise_level: SDE noise scale a on stochastic steps.
         sde_steps: stochastic step indices (default: all); the others are ODE steps.
+        sde_type: "flow_grpo" (`sde_step`) or "cps" (`cps_step`) for the stochastic steps.
         start_step: resume a trajectory at this step (with `start_latents`).
         start_latents: (B, L, C) latents at `start_step`; default: seeded initial noise.
         device: device of the latents.
@@ -254,7 +332,7 @@ def sample(
         v = velocity_fn(x, sigma_B)
         if i in stochastic:
             eps = seeded_noise(seeds, i, latent_shape, device)
-            out = sde_step(v, x, sigmas[i], sigmas[i + 1], noise_level, noise=eps)
+            out = stochastic_step(sde_type, v, x, sigmas[i], sigmas[i + 1], noise_level, noise=eps)
         else:
             out = sde_step(v, x, sigmas[i], sigmas[i + 1], 0.0)
         x = out.prev_sample

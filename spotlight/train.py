@@ -98,6 +98,7 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
                 policy, prompts, seeds, sigmas,
                 noise_level=cfg.sample.noise_level,
                 sde_steps=sde_steps,
+                sde_type=cfg.sample.sde_type,
                 guidance_scale=cfg.sample.guidance_scale,
                 negative_prompt=cfg.sample.negative_prompt,
                 batch_size=cfg.sample.batch_size,

@@ -11,16 +11,17 @@ trained steps before one optimizer step (Flow-GRPO's "gradient accumulation over
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from spotlight.config import DiTRecipe
-from spotlight.grpo import Advantages, clipped_policy_loss, gaussian_mean_kl
+from spotlight.grpo import Advantages, clipped_policy_loss, gaussian_mean_kl, nft_loss, nft_optimality
 from spotlight.policy import DiTPolicy
-from spotlight.rollout import Rollout, encode, guided_velocity
-from spotlight.sampling import derive_seed, sde_step
+from spotlight.rollout import PromptBatch, Rollout, encode, guided_velocity
+from spotlight.sampling import derive_seed, stochastic_step
 
 
 class GRPOTrainer:
@@ -40,15 +41,22 @@ class GRPOTrainer:
             self._ref_copy = copy.deepcopy(policy.transformer).requires_grad_(False).eval()
 
     @contextmanager
+    def _swapped(self, transformer):
+        """Use another transformer (same architecture) for the duration of a forward."""
+        current = self.policy.transformer
+        self.policy.transformer = transformer
+        try:
+            yield
+        finally:
+            self.policy.transformer = current
+
+    @contextmanager
     def _reference(self):
         """Swap the reference weights in for the duration of a forward."""
         tr = self.policy.transformer
         if self._ref_copy is not None:
-            self.policy.transformer = self._ref_copy
-            try:
+            with self._swapped(self._ref_copy):
                 yield
-            finally:
-                self.policy.transformer = tr
         else:
             tr.disable_adapters()
             try:
@@ -66,6 +74,8 @@ class GRPOTrainer:
         if len(trainable) == 0:
             return {"num_trained_samples": 0.0}
         batch = encode(self.policy, ro.prompts, cfg.sample.guidance_scale, cfg.sample.negative_prompt)
+        if cfg.train.objective == "nft":
+            return self._nft_update(ro, adv, batch, iteration)
         steps = traj.sde_steps
         self.policy.transformer.train()
         for epoch in range(cfg.train.num_inner_epochs):
@@ -80,12 +90,16 @@ class GRPOTrainer:
                     x_next_MLC = traj.latents[j + 1][idx_M]
                     sigma_M = traj.sigmas[j].expand(len(idx_M))
                     v = guided_velocity(self.policy, x_MLC, sigma_M, mb, cfg.sample.guidance_scale)
-                    out = sde_step(v, x_MLC, traj.sigmas[j], traj.sigmas[j + 1], cfg.sample.noise_level, prev_sample=x_next_MLC)
+                    out = stochastic_step(
+                        cfg.sample.sde_type, v, x_MLC, traj.sigmas[j], traj.sigmas[j + 1], cfg.sample.noise_level, prev_sample=x_next_MLC
+                    )
                     loss, s = clipped_policy_loss(out.log_prob, traj.log_probs[j][idx_M], adv_B[idx_M], cfg.train.clip_range)
                     if cfg.train.beta > 0:
                         with torch.no_grad(), self._reference():
                             v_ref = guided_velocity(self.policy, x_MLC, sigma_M, mb, cfg.sample.guidance_scale)
-                            ref = sde_step(v_ref, x_MLC, traj.sigmas[j], traj.sigmas[j + 1], cfg.sample.noise_level, prev_sample=x_next_MLC)
+                            ref = stochastic_step(
+                                cfg.sample.sde_type, v_ref, x_MLC, traj.sigmas[j], traj.sigmas[j + 1], cfg.sample.noise_level, prev_sample=x_next_MLC
+                            )
                         kl = gaussian_mean_kl(out.mean, ref.mean, out.std).mean()
                         loss = loss + cfg.train.beta * kl
                         stats["kl_ref"].append(kl.item())
@@ -96,6 +110,85 @@ class GRPOTrainer:
                 norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.train.max_grad_norm)
                 stats["grad_norm"].append(norm.item())
                 self.optimizer.step()
+        self.policy.transformer.eval()
+        out_stats = {k: float(np.mean(v)) for k, v in stats.items() if v}
+        out_stats["num_trained_samples"] = float(len(trainable))
+        return out_stats
+
+    def _nft_update(self, ro: Rollout, adv: Advantages, batch: PromptBatch, iteration: int) -> dict[str, float]:
+        """DiffusionNFT update (Zheng et al. 2025, arXiv 2509.16117, Eq. 6-8) on the final samples.
+
+        Each clean sample x0 is re-noised on the forward process, x_s = (1 - s) x0 + s eps, at
+        noise levels s drawn from the rollout schedule; its flow-matching target is eps - x0. With
+        v_old the velocity of the weights that sampled the rollout, the implicit positive and
+        negative policies are v+ = (1 - beta) v_old + beta v and v- = (1 + beta) v_old - beta v,
+        and the loss is r ||v+ - target||^2 + (1 - r) ||v- - target||^2 with the optimality
+        r = 0.5 + 0.5 clip(A / A_max, -1, 1) from the group advantage A. The gradient moves v
+        toward the targets of better-than-average samples and away from worse ones, by a
+        denoising loss rather than a likelihood ratio: it needs no SDE log-probs, so rollouts may
+        use any sampler (the ODE one included, which is what evaluation uses).
+        """
+        cfg = self.cfg
+        tcfg = cfg.train
+        traj = ro.trajectory
+        x0_BLC = traj.final
+        schedule = traj.sigmas[:-1]
+        num_groups, group_size = adv.adv_PG.shape
+        adv_B = adv.adv_PG.reshape(-1)
+        trainable = torch.nonzero(adv.trainable_PG.reshape(-1)).squeeze(1)
+        # The sampling weights, for v_old after the first optimizer step (a copy only when needed).
+        num_steps = tcfg.num_inner_epochs * math.ceil(len(trainable) / tcfg.minibatch_size)
+        old = copy.deepcopy(self.policy.transformer).requires_grad_(False).eval() if num_steps > 1 else None
+        first_step = True
+        r_B = nft_optimality(adv_B, tcfg.nft_adv_max)
+        stats: dict[str, list[float]] = {"loss": [], "grad_norm": [], "nft_pos_err": [], "nft_neg_err": [], "kl_ref": []}
+        self.policy.transformer.train()
+        noise_gen = torch.Generator().manual_seed(derive_seed(tcfg.seed, iteration, 13))
+        shape = (tcfg.num_inner_epochs, num_groups, tcfg.nft_num_timesteps)
+        sigma_EPK = schedule[torch.randint(len(schedule), shape, generator=noise_gen)]
+        eps_EPKLC = torch.randn(*shape, *x0_BLC.shape[1:], generator=noise_gen)
+        for epoch in range(tcfg.num_inner_epochs):
+            gen = torch.Generator().manual_seed(derive_seed(tcfg.seed, iteration, epoch, 11))
+            order = trainable[torch.randperm(len(trainable), generator=gen)]
+            for start in range(0, len(order), tcfg.minibatch_size):
+                idx_M = order[start : start + tcfg.minibatch_size]
+                mb = batch.select(idx_M)
+                self.optimizer.zero_grad(set_to_none=True)
+                for k in range(tcfg.nft_num_timesteps):
+                    # Common random numbers: the samples of one group share their noise level and
+                    # noise, so the group-centred weights (2 r - 1) cancel the part of the
+                    # flow-matching gradient that does not depend on the sample.
+                    group_M = idx_M // group_size
+                    sigma_M = sigma_EPK[epoch, group_M, k]
+                    x0 = x0_BLC[idx_M]
+                    eps = eps_EPKLC[epoch, group_M, k]
+                    s = sigma_M.reshape(-1, 1, 1)
+                    x_s = (1 - s) * x0 + s * eps
+                    target = eps - x0
+                    v = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
+                    if first_step:
+                        # No optimizer step yet: the current weights are the sampling weights.
+                        v_old = v.detach()
+                    else:
+                        with torch.no_grad(), self._swapped(old):
+                            v_old = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
+                    loss, s_nft = nft_loss(v, v_old, target, r_B[idx_M], tcfg.nft_beta)
+                    if tcfg.beta > 0:
+                        # KL to the reference in velocity space (the Gaussian-step KL up to a
+                        # per-noise-level factor): ||v - v_ref||^2, averaged.
+                        with torch.no_grad(), self._reference():
+                            v_ref = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
+                        kl = (v - v_ref).square().mean()
+                        loss = loss + tcfg.beta * kl
+                        stats["kl_ref"].append(kl.item())
+                    (loss / tcfg.nft_num_timesteps).backward()
+                    stats["loss"].append(loss.item())
+                    stats["nft_pos_err"].append(s_nft["nft_pos_err"])
+                    stats["nft_neg_err"].append(s_nft["nft_neg_err"])
+                norm = torch.nn.utils.clip_grad_norm_(self.params, tcfg.max_grad_norm)
+                stats["grad_norm"].append(norm.item())
+                self.optimizer.step()
+                first_step = False
         self.policy.transformer.eval()
         out_stats = {k: float(np.mean(v)) for k, v in stats.items() if v}
         out_stats["num_trained_samples"] = float(len(trainable))

@@ -260,6 +260,20 @@ def test_render_batch_is_per_sample_deterministic():
 # Shapes reward
 
 
+def test_noisy_caption_target():
+    rng = np.random.default_rng(0)
+    prompt = "two red circles and one blue square"
+    assert S.noisy_caption_target(prompt, 0.0, rng) == prompt
+    drawn = [S.parse_prompt(S.noisy_caption_target(prompt, 1.0, rng)) for _ in range(400)]
+    assert all([c.color for c in d] == ["red", "blue"] for d in drawn), "colours are kept"
+    assert {d[0].count for d in drawn} == {1, 2, 3, 4} and {d[1].shape for d in drawn} == set(S.SHAPES)
+    # At noise 0.5 a clause is redrawn half the time and then keeps its count by chance 1/4.
+    half = [S.parse_prompt(S.noisy_caption_target(prompt, 0.5, rng))[0].count for _ in range(2000)]
+    assert abs(np.mean([c == 2 for c in half]) - (0.5 + 0.5 / 4)) < 0.04
+    with pytest.raises(ValueError, match="caption noise"):
+        S.noisy_caption_target(prompt, 1.5, rng)
+
+
 def test_ground_truth_scores_high():
     prompts = list(np.random.default_rng(0).choice(S.all_prompts(), 128))
     scores = _shapes_score(_render(prompts, seed=1), prompts)

@@ -11,6 +11,7 @@ import torch
 from spotlight.sampling import (
     calculate_shift,
     cfg_combine,
+    cps_step,
     qwen_image_sigmas,
     sample,
     sde_step,
@@ -153,3 +154,43 @@ def test_cfg_combine_keeps_conditional_norm():
     direction = uncond + 4.0 * (cond - uncond)
     cos = torch.nn.functional.cosine_similarity(out, direction, dim=-1)
     torch.testing.assert_close(cos, torch.ones_like(cos))
+
+
+@pytest.mark.parametrize("sigma,sigma_next,eta", [(1.0, 0.93, 1.0), (0.7, 0.55, 0.6), (0.3, 0.1, 0.3)])
+def test_cps_step_matches_formula_and_gaussian_density(sigma, sigma_next, eta):
+    gen = torch.Generator().manual_seed(1)
+    v, x, eps = (torch.randn(3, 5, 6, generator=gen, dtype=torch.float64) for _ in range(3))
+    out = cps_step(v, x, sigma, sigma_next, eta, noise=eps)
+    # Independent float64 evaluation of Wang et al. 2025, Eq. 8, from the formula.
+    x0_hat, eps_hat = x - sigma * v, x + (1 - sigma) * v
+    mean = (1 - sigma_next) * x0_hat + sigma_next * math.sqrt(1 - eta**2) * eps_hat
+    std = sigma_next * eta
+    torch.testing.assert_close(out.mean.double(), mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.prev_sample.double(), mean + std * eps, rtol=1e-5, atol=1e-5)
+    expected = torch.distributions.Normal(mean, std).log_prob(out.prev_sample.double()).mean(dim=(1, 2))
+    torch.testing.assert_close(out.log_prob.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cps_step_preserves_the_noise_coefficient():
+    """With the exact velocity of a known x0, the next sample is (1 - s') x0 + s' * (unit noise)."""
+    gen = torch.Generator().manual_seed(2)
+    x0, eps = torch.randn(4000, 8, generator=gen), torch.randn(4000, 8, generator=gen)
+    sigma, sigma_next = 0.8, 0.5
+    x = (1 - sigma) * x0 + sigma * eps
+    out = cps_step(eps - x0, x, sigma, sigma_next, 0.7, generator=gen)
+    residual = (out.prev_sample - (1 - sigma_next) * x0) / sigma_next
+    assert abs(residual.std().item() - 1.0) < 0.01 and abs(residual.mean().item()) < 0.01
+    # The Flow-GRPO step at these settings adds more than the schedule's noise.
+    fg = sde_step(eps - x0, x, sigma, sigma_next, 1.2, generator=gen)
+    assert ((fg.prev_sample - (1 - sigma_next) * x0) / sigma_next).std().item() > 1.05
+
+
+def test_cps_step_edge_cases():
+    v, x = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    euler = cps_step(v, x, 0.6, 0.4, 0.0)
+    torch.testing.assert_close(euler.prev_sample, x + (0.4 - 0.6) * v)
+    assert torch.equal(euler.log_prob, torch.zeros(2))
+    with pytest.raises(ValueError, match="sigma_next = 0"):
+        cps_step(v, x, 0.3, 0.0, 0.5)
+    with pytest.raises(ValueError, match="eta"):
+        cps_step(v, x, 0.6, 0.4, 1.5)

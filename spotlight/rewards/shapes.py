@@ -268,6 +268,26 @@ def render_prompt(
     return image
 
 
+def noisy_caption_target(prompt: str, noise: float, rng: np.random.Generator) -> str:
+    """The prompt whose image is drawn for caption `prompt` in noisy-caption pretraining.
+
+    Web captions bind counts and attributes loosely to their images; that weak binding is what
+    verifiable-reward RL fixes in real text-to-image models (GenEval counting, attributes). To
+    give the tiny base the same kind of failure, each clause independently, with probability
+    `noise`, draws its count uniformly from 1..4 and its shape uniformly from SHAPES (either may
+    come out unchanged); colours are kept. The caption stays `prompt`.
+    """
+    if not 0 <= noise <= 1:
+        raise ValueError(f"caption noise must be in [0, 1], got {noise}")
+    clauses = parse_prompt(prompt)
+    drawn = []
+    for c in clauses:
+        if rng.random() < noise:
+            c = Clause(int(rng.integers(1, 5)), c.color, SHAPES[int(rng.integers(len(SHAPES)))])
+        drawn.append(c)
+    return format_prompt(drawn)
+
+
 def render_batch(prompts: list[str], size: int = 64, seed: int = 0) -> torch.Tensor:
     """Ground-truth images of prompts, in the layout rewards and the VAE take.
 
