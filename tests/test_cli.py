@@ -79,12 +79,15 @@ def test_train_eval_sample_end_to_end(tiny_model_dir, tmp_path):
     assert Image.open(out).size == (2 * 32 + 2, 32)
 
 
-def test_resume_is_exact(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "objective", [[], ["train.objective=flow_grpo", "sample.noise_level=1.2"]], ids=["nft", "flow_grpo"]
+)
+def test_resume_is_exact(tiny_model_dir, tmp_path, objective):
     """Interrupted after 2 iterations and resumed == 4 uninterrupted iterations (metrics and weights)."""
     full, split = tmp_path / "full", tmp_path / "split"
-    assert main(["train", *tiny_overrides(tiny_model_dir, 4), "--run-dir", str(full), "--quiet"]) == 0
-    assert main(["train", *tiny_overrides(tiny_model_dir, 2), "--run-dir", str(split), "--quiet"]) == 0
-    assert main(["train", *tiny_overrides(tiny_model_dir, 4), "--run-dir", str(split), "--quiet"]) == 0
+    assert main(["train", *tiny_overrides(tiny_model_dir, 4), *objective, "--run-dir", str(full), "--quiet"]) == 0
+    assert main(["train", *tiny_overrides(tiny_model_dir, 2), *objective, "--run-dir", str(split), "--quiet"]) == 0
+    assert main(["train", *tiny_overrides(tiny_model_dir, 4), *objective, "--run-dir", str(split), "--quiet"]) == 0
     assert without_time(read_metrics(split)) == without_time(read_metrics(full))
     a, b = load_checkpoint(full), load_checkpoint(split)
     assert a.step == b.step == 4
@@ -154,6 +157,21 @@ def test_tiny_shapes_recipe_is_the_embedded_default():
     from spotlight.config_io import load_config
 
     assert load_config(DiTRecipe, "configs/dit/tiny-shapes.yaml") == DiTRecipe()
+
+
+@pytest.mark.parametrize(
+    "overrides,names",
+    [
+        (["train.objective=flow_grpo", "sample.noise_level=0"], ["train.objective", "sample.noise_level"]),
+        (["sample.sde_type=cps", "sample.noise_level=0.5"], ["sde_type", "sde_window_size"]),
+        (["sample.sde_type=cps", "sample.noise_level=1.5", "sample.sde_window_size=2"], ["noise_level", "eta"]),
+        (["train.nft_num_timesteps=0"], ["train.nft_num_timesteps"]),
+    ],
+)
+def test_objective_and_step_mismatches_name_the_fields(capsys, overrides, names):
+    assert main(["config", "configs/dit/tiny-shapes.yaml", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert all(name in err for name in names), err
 
 
 @pytest.mark.parametrize("recipe", sorted(str(p) for p in Path("configs/dit").glob("*.yaml")))

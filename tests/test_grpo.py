@@ -65,6 +65,8 @@ def _cfg(tiny_model_dir, **train):
     cfg.model.path = str(tiny_model_dir)
     cfg.model.height = cfg.model.width = 32
     cfg.sample.num_steps = 4
+    cfg.sample.noise_level = 1.2
+    cfg.train.objective = "flow_grpo"
     cfg.train.minibatch_size = 4
     for k, v in train.items():
         setattr(cfg.train, k, v)
