@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from spotlight.files import fsync_path
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -151,14 +153,6 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return {k: _decode(v, tensors) for k, v in value.items()}
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_text(path: Path, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
@@ -182,7 +176,7 @@ def _write_tensors(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
         seen_storages.add(t.untyped_storage().data_ptr())
         prepared[name] = t
     save_file(prepared, str(path))
-    _fsync_path(path)
+    fsync_path(path)
 
 
 def _sha256(path: Path) -> str:
@@ -294,7 +288,7 @@ def save_checkpoint(
         _write_text(tmp / file_name, text)
     _write_text(tmp / "config.yaml", config_yaml)
     _write_manifest(tmp, step, sorted(tensors), optimizer_state is not None)
-    _fsync_path(tmp)
+    fsync_path(tmp)
 
     # A directory cannot be os.replace'd over a non-empty one: move the old one aside first. It is
     # named `.tmp-*`, so a crash between the two renames leaves it to be cleaned by the next save.
@@ -305,12 +299,12 @@ def save_checkpoint(
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    _fsync_path(ckpt_dir)
+    fsync_path(ckpt_dir)
 
     latest_tmp = ckpt_dir / f"{_TMP_PREFIX}latest-{uuid.uuid4().hex[:8]}"
     _write_text(latest_tmp, final.name + "\n")
     os.replace(latest_tmp, ckpt_dir / "latest")
-    _fsync_path(ckpt_dir)
+    fsync_path(ckpt_dir)
 
     older = []
     for p in ckpt_dir.iterdir():
