@@ -185,6 +185,51 @@ class EvalConfig:
 
 
 @dataclass
+class ExploreConfig:
+    """Seed exploration: score many candidate seeds per prompt on spot explorers, train on the contrasting ones."""
+
+    mode: Literal["none", "inline", "stale"] = "none"
+    """Where seeds come from: "none" = G default seeds per prompt (plain GRPO, no Ray); "inline" = explore with the fresh weights before each rollout and wait (the on-critical-path baseline); "stale" = explore the next batch with the current weights while the trainer updates (Spotlight)."""
+    planner: Literal["bandit", "uniform", "greedy", "none"] = "bandit"
+    """Which prompts to explore and with how many candidates each (see `planners`)."""
+    max_candidates: int = 0
+    """Most candidate seeds of one prompt (the first G are the default seeds); 0 = 4 * train.group_size."""
+    selection: Literal["extremes", "random"] = "extremes"
+    """The G seeds kept from a prompt's candidates: "extremes" (top ceil(G/2) and bottom floor(G/2) by stale reward) or "random" (the control)."""
+    ray_address: str = ""
+    """Ray cluster to join (e.g. "10.0.0.1:6379"); empty starts a local one on 127.0.0.1 (an on-demand head and num_spot_nodes spot nodes)."""
+    num_spot_nodes: int = 2
+    """Nodes of the local cluster carrying the `spot` resource (1 CPU each)."""
+    num_explorers: int = 0
+    """Explorer actors (each takes 1 CPU and one `spot` resource); 0 = one per `spot` resource of the cluster."""
+    explorer_threads: int = 1
+    """torch CPU threads per explorer."""
+    batch_size: int = 16
+    """Candidates per explorer forward batch; an explorer checks its time limit between batches."""
+    budget_fraction: float = 0.8
+    """Share of the predicted training-step time the plan may fill (headroom for weight transfer and jitter)."""
+    ema: float = 0.5
+    """Weight of the newest measurement in the running means of step time and explorer throughput."""
+    startup_timeout_s: float = 120.0
+    """Wait up to this long at start-up for explorers to load the model; later ones join when ready."""
+
+    def validate(self) -> None:
+        if not 0 < self.budget_fraction <= 1:
+            raise ValueError(f"budget_fraction must be in (0, 1], got {self.budget_fraction}")
+        if not 0 < self.ema <= 1:
+            raise ValueError(f"ema must be in (0, 1], got {self.ema}")
+        for name in ("num_spot_nodes", "explorer_threads", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_explorers < 0 or self.max_candidates < 0 or self.startup_timeout_s < 0:
+            raise ValueError("num_explorers, max_candidates and startup_timeout_s must be >= 0")
+
+    def candidates_cap(self, group_size: int) -> int:
+        """The effective max_candidates for a group size G."""
+        return self.max_candidates or 4 * group_size
+
+
+@dataclass
 class DiTRecipe:
     """A DiT GRPO post-training recipe."""
 
@@ -204,10 +249,17 @@ class DiTRecipe:
     """Tracking and checkpoints."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation."""
+    explore: ExploreConfig = field(default_factory=ExploreConfig)
+    """Seed exploration."""
 
     def validate(self) -> None:
         if self.train.group_size < 2:
             raise ValueError(f"train.group_size must be >= 2 for GRPO, got {self.train.group_size}")
+        if self.explore.max_candidates and self.explore.max_candidates <= self.train.group_size:
+            raise ValueError(
+                f"explore.max_candidates={self.explore.max_candidates} must be > train.group_size={self.train.group_size} "
+                "(the first G candidates are the default seeds: with G or fewer there is nothing to choose)"
+            )
         if self.sample.guidance_scale < 1:
             raise ValueError(f"sample.guidance_scale must be >= 1 (1 disables CFG), got {self.sample.guidance_scale}")
         if self.train.objective == "flow_grpo" and self.sample.noise_level <= 0:

@@ -3,6 +3,10 @@
 Every random choice of iteration k (its prompts, the trajectory seeds, the SDE window, the
 minibatch order) is derived from (train.seed, k), so a run resumed from the checkpoint after
 iteration k repeats exactly what the uninterrupted run would have done.
+
+With seed exploration (`explore.mode` inline or stale, see `explore.py`) the seeds of a group may
+instead be chosen among explored candidates, which extend the default seeds of plan_iteration;
+in stale mode the next batch is explored with the current weights while the trainer updates.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from rich.table import Table
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
+from spotlight.explore import Exploration, start_exploration
 from spotlight.grpo import group_advantages
 from spotlight.policy import load_policy, load_trainable_state, trainable_state
 from spotlight.prompts import train_and_eval_prompts
@@ -33,7 +38,12 @@ logger = logging.getLogger(__name__)
 
 
 def plan_iteration(cfg: DiTRecipe, train_prompts: list[str], iteration: int) -> tuple[list[str], list[int], list[int]]:
-    """Prompts (P * G, prompt-major), trajectory seeds and stochastic steps of one iteration."""
+    """Prompts (P * G, prompt-major), default trajectory seeds and stochastic steps of one iteration.
+
+    A pure function of (cfg, train_prompts, iteration): stale exploration calls it for iteration
+    k + 1 during iteration k. Seed g of prompt slot p is derive_seed(train.seed, k, p, g), the
+    first G candidates of `explore.candidate_seeds`.
+    """
     rng = np.random.default_rng(derive_seed(cfg.train.seed, iteration))
     num_prompts, group = cfg.train.prompts_per_iteration, cfg.train.group_size
     chosen = rng.choice(len(train_prompts), size=num_prompts, replace=num_prompts > len(train_prompts))
@@ -50,6 +60,16 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
     """Post-train the policy of `cfg` with GRPO, writing config, metrics, images and checkpoints to run_dir."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # Explorers (Ray actors, none in mode "none") load the model while the trainer does.
+    exploration = start_exploration(cfg, run_dir)
+    try:
+        return _train(cfg, run_dir, exploration, resume=resume, progress=progress)
+    finally:
+        if exploration is not None:
+            exploration.close()
+
+
+def _train(cfg: DiTRecipe, run_dir: Path, exploration: Exploration | None, *, resume: bool, progress: bool) -> dict:
     console = Console(quiet=not progress)
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
@@ -69,7 +89,13 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
         trainer.optimizer.load_state_dict(ckpt.optimizer_state)
         restore_rng_state(ckpt.rng_state)
         start_iter = ckpt.step
+        if exploration is not None and "explore" in ckpt.meta:
+            exploration.load_state_dict(ckpt.meta["explore"])
         console.print(f"resuming from {ckpt.path} (iteration {start_iter})")
+    if exploration is not None:
+        exploration.truncate_log(start_iter)
+        num_ready = exploration.wait_ready(cfg.explore.startup_timeout_s)
+        console.print(f"explore.mode={cfg.explore.mode}: {num_ready} explorer(s) ready")
 
     def checkpoint(step: int, metrics: dict) -> Path:
         return save_checkpoint(
@@ -78,7 +104,10 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
             tensors={"trainable": trainable_state(policy)},
             optimizer_state=trainer.optimizer.state_dict(),
             rng_state=capture_rng_state(),
-            meta={"step": step, "metrics": metrics, "lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha},
+            meta={
+                "step": step, "metrics": metrics, "lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
+                **({"explore": exploration.state_dict()} if exploration is not None else {}),
+            },  # fmt: skip
             config_yaml=dump_yaml(cfg),
             keep_last=cfg.log.keep_last,
         )
@@ -92,8 +121,12 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
         task = bar.add_task("", total=cfg.train.num_iterations, completed=start_iter)
         for it in range(start_iter, cfg.train.num_iterations):
             t0 = time.monotonic()
-            # 1. Rollout: G seeded trajectories per prompt with the current weights.
+            # 1. Rollout: G seeded trajectories per prompt with the current weights; with
+            #    exploration, a prompt's seeds may be a high-contrast subset of its explored candidates.
             prompts, seeds, sde_steps = plan_iteration(cfg, train_prompts, it)
+            if exploration is not None:
+                seeds = exploration.seeds_for(it, policy, prompts[::G], seeds, sde_steps)
+            t_ro = time.monotonic()
             ro = rollout(
                 policy, prompts, seeds, sigmas,
                 noise_level=cfg.sample.noise_level,
@@ -109,9 +142,17 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
             # 3. Group-relative advantages; zero-variance groups are filtered.
             adv = group_advantages(reward.total_B.view(P, G), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip)
             t2 = time.monotonic()
-            # 4. Policy update on the stochastic steps.
+            # 4. Stale exploration: publish θ_k, explore the next batch with it during the update.
+            if exploration is not None:
+                nxt = plan_iteration(cfg, train_prompts, it + 1) if it + 1 < cfg.train.num_iterations else None
+                exploration.launch(it, policy, reward.total_B, seeds, t2 - t_ro, nxt)
+            t_up = time.monotonic()
+            # 5. Policy update on the stochastic steps.
             stats = trainer.update(ro, adv, it)
             t3 = time.monotonic()
+            # 6. Take the exploration results that are ready; never wait for an explorer.
+            if exploration is not None:
+                exploration.collect(it, t3 - t_up)
 
             valid = reward.total_B[~torch.isnan(reward.total_B)]
             metrics = {
@@ -122,9 +163,11 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
                 "grpo/dropped_samples": adv.num_dropped_samples,
                 **{f"reward/{k}": float(v[~torch.isnan(v)].mean()) for k, v in reward.components.items()},
                 **{f"grpo/{k}": v for k, v in stats.items()},
-                "time/rollout_s": t1 - t0,
+                "time/rollout_s": t1 - t_ro,
                 "time/reward_s": t2 - t1,
-                "time/update_s": t3 - t2,
+                "time/update_s": t3 - t_up,
+                **(exploration.metrics() if exploration is not None else {}),
+                "time/iteration_s": time.monotonic() - t0,
             }
             step = it + 1
             tracker.log(metrics, step=step)

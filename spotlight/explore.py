@@ -1,0 +1,689 @@
+"""Seed exploration with stale weights: which seeds each GRPO group trains on (design.md §2, §3.4).
+
+GRPO learns only from groups whose rewards differ. Exploration samples many candidate seeds per
+prompt, scores them with the recipe's reward, and keeps a high-contrast group of G of them
+(`planners.select_contrast`) for the rollout, which resamples those seeds with the current weights
+for the actual update. Seeds fix whole trajectories (`sampling.derive_seed`, `seeded_noise`) and
+explorers run the training rollout's sampler (same steps, noise level, SDE type and window), so the
+stale reward of a seed refers to exactly the noise the fresh rollout will use.
+
+Modes (`explore.mode`):
+    none    the G default seeds of `train.plan_iteration`; Ray is never imported (plain GRPO).
+    inline  before rollout k: publish θ_k, explore batch k, wait for every result, select. The
+            on-critical-path baseline (same budget rule as stale; nothing is explored at k = 0).
+    stale   Spotlight: while the trainer computes θ_k -> θ_{k+1}, explorers score batch k+1 with
+            θ_k; after the update the driver takes what is ready and never waits.
+
+Iteration k in stale mode, as `train.run_training` calls it:
+
+    seeds_for(k)  seeds of batch k: the selection from what was collected after update k-1
+    rollout, reward, advantages with θ_k
+    launch(k)     feed the planner batch k's unbiased groups; publish θ_k (one `ray.put`, then an
+                  async `set_weights`); plan batch k+1 within the budget; submit one job per explorer
+    update        θ_k -> θ_{k+1}
+    collect(k)    `ray.wait(timeout=0)`: the results ready now serve batch k+1, the rest are late
+
+Seeds. Candidate i of prompt slot p at iteration k is derive_seed(train.seed, k, p, i). The first G
+are the default seeds, so exploring extends the default group and a fallback is simply candidates
+0..G-1. Only the slot index, not the prompt text, enters the seed: exactly as `plan_iteration`.
+
+Budget (in candidates). budget_fraction x predicted step time x explorer samples/s x live
+explorers. The step time is a running mean of measured update times; before the first update is
+timed it is half the same iteration's rollout time (a guess on the short side: a windowed SDE or
+DiffusionNFT update can cost less than the rollout, and the first rollout also pays warm-up;
+explore/update_guessed = 1 says so). The throughput is a running mean of what explorers report
+(candidates over busy seconds); before the first report it is guessed as the trainer's
+rollout+reward throughput per torch thread times explorer_threads, halved
+(explore/throughput_guessed = 1). Each job also carries a time limit, the predicted step time: an
+explorer starts no batch after it and returns what it has.
+
+Fallbacks. A planned prompt trains on its default seeds when fewer than G + 1 of its candidates
+came back; the cause is counted in explore/fallback_<cause> (prompts):
+    late     its job was still running when the update ended
+    died     its explorer died (RayActorError); the pool replaces the actor when a spot slot is free
+    error    its job raised
+    partial  its job hit its time limit before scoring enough of the prompt's candidates
+Late results are still read at the next collect: they feed the planner and the throughput mean.
+
+Planner feedback follows `planners.Observation`: the explored candidates' stale rewards (tagged with
+the iteration of the weights that produced them) and the fresh rewards of groups that trained on
+default seeds; never the fresh rewards of a selected group (extremes, not draws).
+
+Checkpoints carry the planner state and the running means (`state_dict`). Exploration in flight at
+a crash is lost, so the first iteration after a resume trains on default seeds; in mode none
+nothing changes and a resumed run repeats the uninterrupted one exactly.
+
+This module holds no Ray: the pool it drives (`explorer_actor.RayExplorerPool`) is the Ray edge.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from planners import Observation, build_planner, group_variance, select_contrast
+from spotlight.config import DiTRecipe
+from spotlight.sampling import derive_seed
+
+logger = logging.getLogger(__name__)
+
+FALLBACK_CAUSES = ("late", "died", "error", "partial")
+"""Why a planned prompt trained on its default seeds (see the module docstring)."""
+
+LOG_FILE = "explore.jsonl"
+"""Per-iteration record in the run directory: candidates, stale rewards, chosen seeds, fresh rewards."""
+
+_SELECTION_STREAM = 0x5E1EC7  # derive_seed stream of the "random" selection rule
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeds, budget, jobs and selection: pure functions
+# ---------------------------------------------------------------------------------------------
+
+
+def candidate_seeds(run_seed: int, iteration: int, slot: int, num_candidates: int) -> list[int]:
+    """Seeds of candidates 0..n-1 of prompt slot `slot` at `iteration`; the first G are the defaults."""
+    return [derive_seed(run_seed, iteration, slot, i) for i in range(num_candidates)]
+
+
+def planner_ids(prompts_P: Sequence[str]) -> list[str]:
+    """Distinct planner ids for a batch's prompts: the text, suffixed " #p" where a prompt repeats."""
+    seen: set[str] = set()
+    ids = []
+    for p, text in enumerate(prompts_P):
+        ids.append(text if text not in seen else f"{text} #{p}")
+        seen.add(text)
+    return ids
+
+
+def exploration_budget(update_s: float, samples_per_s: float, num_explorers: int, fraction: float) -> int:
+    """Candidates the explorers can score while the trainer updates: floor(f * t * rate * n)."""
+    if update_s <= 0 or samples_per_s <= 0 or num_explorers <= 0:
+        return 0
+    return int(math.floor(fraction * update_s * samples_per_s * num_explorers))
+
+
+@dataclass
+class Budget:
+    """The budget of one exploration window and what it was computed from."""
+
+    num_samples: int
+    """Candidates the plan may spend."""
+    update_s: float
+    """Predicted training-step (update) time, seconds."""
+    samples_per_s: float
+    """Predicted throughput of one explorer, candidates per second."""
+    num_explorers: int
+    """Live explorers the jobs go to."""
+    guessed_update: bool
+    """True before any update was timed (half the rollout time stands in)."""
+    guessed_throughput: bool
+    """True before any explorer reported (a guess from the trainer's rollout stands in)."""
+
+
+class BudgetModel:
+    """Running means (exponential, weight `ema` on the newest value) of step time and throughput."""
+
+    UNTIMED_UPDATE_FRACTION = 0.5
+    """Before any update is timed, the predicted update time is this fraction of the rollout time."""
+
+    def __init__(self, ema: float):
+        self.ema = ema
+        self.update_s: float | None = None
+        self.samples_per_s: float | None = None  # per explorer
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.ema) * old + self.ema * new
+
+    def observe_update(self, seconds: float) -> None:
+        self.update_s = self._mix(self.update_s, seconds)
+
+    def observe_explorer(self, num_samples: int, busy_s: float) -> None:
+        if num_samples > 0 and busy_s > 0:
+            self.samples_per_s = self._mix(self.samples_per_s, num_samples / busy_s)
+
+    def budget(self, num_explorers: int, fraction: float, *, rollout_s: float, guess_samples_per_s: float) -> Budget:
+        """The budget of a window, with the module docstring's stand-ins where nothing was measured."""
+        update_s = self.update_s if self.update_s is not None else self.UNTIMED_UPDATE_FRACTION * rollout_s
+        rate = self.samples_per_s if self.samples_per_s is not None else guess_samples_per_s
+        return Budget(
+            num_samples=exploration_budget(update_s, rate, num_explorers, fraction),
+            update_s=update_s,
+            samples_per_s=rate,
+            num_explorers=num_explorers,
+            guessed_update=self.update_s is None,
+            guessed_throughput=self.samples_per_s is None,
+        )
+
+    def state_dict(self) -> dict:
+        return {"update_s": self.update_s, "samples_per_s": self.samples_per_s}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.update_s, self.samples_per_s = state["update_s"], state["samples_per_s"]
+
+
+@dataclass
+class ExploreJob:
+    """Candidates one explorer samples and scores: (prompt, slot, candidate index, seed) rows."""
+
+    iteration: int
+    """Training iteration the candidates are for (their seeds derive from it)."""
+    version: int
+    """Weights version to sample with (the trainer iteration that produced them)."""
+    prompts: list[str]
+    slots: list[int]
+    candidates: list[int]
+    seeds: list[int]
+    sde_steps: list[int]
+    """Stochastic steps of that iteration's rollout (its SDE window)."""
+    time_limit_s: float | None = None
+    """Start no batch after this many seconds of work; None = no limit."""
+
+
+@dataclass
+class ExploreResult:
+    """What an explorer returns for a job: the first len(rewards) rows of the job, scored."""
+
+    iteration: int
+    version: int
+    """Weights version the explorer sampled with."""
+    slots: list[int]
+    candidates: list[int]
+    rewards: list[float]
+    """Stale reward of each scored row (NaN = failed reward)."""
+    busy_s: float
+    """Seconds spent sampling and scoring."""
+    complete: bool
+    """False when the time limit cut the job short."""
+    explorer: str = ""
+    """Who ran it (node id), for logs."""
+
+
+def split_jobs(
+    iteration: int,
+    version: int,
+    prompts_P: Sequence[str],
+    counts_P: Sequence[int],
+    *,
+    run_seed: int,
+    sde_steps: Sequence[int],
+    num_jobs: int,
+    time_limit_s: float | None,
+) -> list[ExploreJob]:
+    """Cut the planned candidates, prompt-major, into at most `num_jobs` contiguous near-equal jobs.
+
+    Prompt-major order keeps most prompts on one explorer (at most num_jobs - 1 are split), so a
+    late or dead explorer costs few prompts, and a job cut short by its time limit still completes
+    its first prompts.
+    """
+    rows = [(p, i) for p, n in enumerate(counts_P) for i in range(n)]
+    if not rows or num_jobs < 1:
+        return []
+    bounds = np.linspace(0, len(rows), min(num_jobs, len(rows)) + 1).round().astype(int)
+    jobs = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        part = rows[lo:hi]
+        jobs.append(
+            ExploreJob(
+                iteration=iteration,
+                version=version,
+                prompts=[prompts_P[p] for p, _ in part],
+                slots=[p for p, _ in part],
+                candidates=[i for _, i in part],
+                seeds=[derive_seed(run_seed, iteration, p, i) for p, i in part],
+                sde_steps=list(sde_steps),
+                time_limit_s=time_limit_s,
+            )
+        )
+    return jobs
+
+
+@dataclass
+class SlotOutcome:
+    """How one prompt slot's group was chosen."""
+
+    planned: int = 0
+    """Candidates the plan gave it (0 = not explored)."""
+    candidates: list[int] = field(default_factory=list)
+    """Scored candidate indices, ascending."""
+    rewards: list[float] = field(default_factory=list)
+    """Their stale rewards."""
+    chosen: list[int] | None = None
+    """Candidate indices of the group; None = the default seeds (candidates 0..G-1)."""
+    cause: str | None = None
+    """For a planned prompt left on default seeds: one of FALLBACK_CAUSES."""
+
+    def group(self, group_size: int) -> list[int]:
+        return self.chosen if self.chosen is not None else list(range(group_size))
+
+
+def choose_groups(
+    counts_P: Sequence[int],
+    results: Sequence[ExploreResult],
+    failed: Sequence[tuple[ExploreJob, str]],
+    *,
+    group_size: int,
+    rule: str,
+    run_seed: int,
+    iteration: int,
+) -> list[SlotOutcome]:
+    """Per prompt slot, the G candidates to train on, or the default seeds and why.
+
+    Args:
+        counts_P: (P,) candidates planned per slot.
+        results: results returned in time (possibly cut short by their time limit).
+        failed: (job, cause) for jobs that returned nothing in time: "late", "died" or "error".
+        group_size: G.
+        rule: "extremes" or "random" (`planners.select_contrast`).
+        run_seed, iteration: seed the "random" rule per slot.
+    """
+    scored: list[dict[int, float]] = [{} for _ in counts_P]
+    for res in results:
+        for slot, cand, r in zip(res.slots, res.candidates, res.rewards):
+            scored[slot][cand] = r
+    failed_cause: dict[int, str] = {}
+    for job, cause in failed:
+        for slot in job.slots:
+            failed_cause.setdefault(slot, cause)
+    outcomes = []
+    for slot, planned in enumerate(counts_P):
+        cands = sorted(scored[slot])
+        out = SlotOutcome(planned=int(planned), candidates=cands, rewards=[scored[slot][c] for c in cands])
+        if planned > 0:
+            if len(cands) > group_size:
+                rng = np.random.default_rng(derive_seed(run_seed, iteration, slot, _SELECTION_STREAM)) if rule == "random" else None
+                out.chosen = [cands[i] for i in select_contrast(out.rewards, group_size, rule, rng)]
+            else:
+                out.cause = failed_cause.get(slot, "partial")
+        outcomes.append(out)
+    return outcomes
+
+
+def selection_metrics(outcomes: Sequence[SlotOutcome], group_size: int) -> dict[str, float]:
+    """Allocation, fallbacks and variance captured (stale rewards) of one batch's selection."""
+    selected = [o for o in outcomes if o.chosen is not None]
+    m: dict[str, float] = {
+        "explore/prompts_planned": sum(o.planned > 0 for o in outcomes),
+        "explore/candidates_planned": sum(o.planned for o in outcomes),
+        "explore/candidates_scored": sum(len(o.candidates) for o in outcomes),
+        "explore/prompts_selected": len(selected),
+        **{f"explore/fallback_{c}": sum(o.cause == c for o in outcomes) for c in FALLBACK_CAUSES},
+    }
+    if selected:
+        var_sel, var_def = [], []
+        for o in selected:
+            by_cand = dict(zip(o.candidates, o.rewards))
+            var_sel.append(group_variance([by_cand[c] for c in o.chosen]))
+            if all(c in by_cand for c in range(group_size)):
+                var_def.append(group_variance([by_cand[c] for c in range(group_size)]))
+        # Variance captured: the selected groups' stale-reward variance against what the default
+        # seeds of the same prompts would have given under the same (stale) weights.
+        m["explore/var_selected_stale"] = float(np.mean(var_sel))
+        if var_def:
+            m["explore/var_default_stale"] = float(np.mean(var_def))
+    return m
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver side: one window of exploration per iteration
+# ---------------------------------------------------------------------------------------------
+
+
+class ExplorerPool(Protocol):
+    """What `Exploration` needs from the explorers (`explorer_actor.RayExplorerPool` is the Ray one)."""
+
+    deaths: int
+    respawns: int
+
+    def wait_ready(self, timeout_s: float) -> int: ...
+    def maintain(self) -> None: ...
+    def live(self) -> list[int]: ...
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None: ...
+    def submit(self, explorer: int, job: ExploreJob) -> Any: ...
+    def poll(self, handles: Sequence[Any], timeout_s: float | None) -> list[tuple[Any, ExploreResult | None, str | None]]: ...
+    def cancel(self, handles: Sequence[Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class _Window:
+    """One round of exploration: a plan for one batch, its jobs, and what came back."""
+
+    iteration: int
+    version: int
+    ids: list[str]
+    counts_P: list[int]
+    budget: Budget
+    jobs: list[ExploreJob]
+    handles: list[Any]
+    launched: float
+    window_s: float = 0.0
+    results: list[ExploreResult] = field(default_factory=list)
+    failed: list[tuple[ExploreJob, str]] = field(default_factory=list)
+
+
+class Exploration:
+    """Chooses each iteration's seeds from explored candidates; drives the explorer pool.
+
+    Args:
+        cfg: the recipe (explore.mode "inline" or "stale").
+        pool: the explorers.
+        log_path: where to append the per-iteration record (`LOG_FILE`); None = nowhere.
+    """
+
+    def __init__(self, cfg: DiTRecipe, pool: ExplorerPool, *, log_path: str | Path | None = None):
+        assert cfg.explore.mode in ("inline", "stale"), cfg.explore.mode
+        self.cfg = cfg
+        self.ecfg = cfg.explore
+        self.pool = pool
+        self.group_size = cfg.train.group_size
+        self.planner = build_planner(cfg.explore.planner, seed=cfg.train.seed)
+        self.budget_model = BudgetModel(cfg.explore.ema)
+        self.log_path = Path(log_path) if log_path is not None else None
+        self._guess_samples_per_s = 0.0
+        self._rollout_s = 0.0
+        self._window: _Window | None = None  # stale: launched, not collected yet
+        self._collected: dict[int, _Window] = {}  # batch iteration -> its collected window
+        self._stragglers: list[tuple[_Window, ExploreJob, Any]] = []
+        self._current: tuple[int, list[str], list[SlotOutcome], _Window | None] | None = None
+        self._metrics: dict[str, float] = {}
+        self._critical_s = 0.0
+        self._deaths_seen = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def wait_ready(self, timeout_s: float) -> int:
+        """Wait until every explorer loaded the model or `timeout_s` passed; the number ready."""
+        return self.pool.wait_ready(timeout_s)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def state_dict(self) -> dict:
+        """Planner and running means, JSON-compatible (checkpoint `meta`); in-flight work is not saved."""
+        return {"planner": self.planner.state_dict(), "budget": self.budget_model.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.planner.load_state_dict(state["planner"])
+        self.budget_model.load_state_dict(state["budget"])
+
+    def truncate_log(self, start_iteration: int) -> None:
+        """Drop log rows of iterations a resumed run repeats."""
+        if self.log_path is None or not self.log_path.exists():
+            return
+        rows = [line for line in self.log_path.read_text().splitlines() if line.strip()]
+        keep = []
+        for line in rows:
+            try:
+                if json.loads(line)["iteration"] < start_iteration:
+                    keep.append(line)
+            except (json.JSONDecodeError, KeyError):
+                break  # a cut-off last line
+        self.log_path.write_text("".join(line + "\n" for line in keep))
+
+    # -- the three calls of an iteration --------------------------------------------------------
+
+    def seeds_for(
+        self, iteration: int, policy, prompts_P: list[str], default_seeds: list[int], sde_steps: list[int]
+    ) -> list[int]:
+        """Seeds (P * G, prompt-major) of batch `iteration`: selected groups, default seeds elsewhere.
+
+        Inline mode explores the batch here with the current weights and waits for the results.
+        """
+        t0 = time.monotonic()
+        self._metrics = {}
+        G = self.group_size
+        if self.ecfg.mode == "inline" and iteration > 0:
+            window = self._open_window(iteration, iteration, policy, prompts_P, sde_steps, time_limit=False)
+            if window is not None:
+                self._gather(window, timeout_s=None)
+        window = self._collected.pop(iteration, None)
+        if window is not None:
+            outcomes = choose_groups(
+                window.counts_P, window.results, window.failed,
+                group_size=G, rule=self.ecfg.selection, run_seed=self.cfg.train.seed, iteration=iteration,
+            )  # fmt: skip
+        else:
+            outcomes = [SlotOutcome() for _ in prompts_P]
+        seeds = list(default_seeds)
+        for p, out in enumerate(outcomes):
+            if out.chosen is not None:
+                seeds[p * G : (p + 1) * G] = [derive_seed(self.cfg.train.seed, iteration, p, i) for i in out.chosen]
+        self._current = (iteration, list(prompts_P), outcomes, window)
+        self._metrics.update(selection_metrics(outcomes, G))
+        if window is not None:
+            self._metrics.update(self._window_metrics(window, iteration))
+        self._critical_s += time.monotonic() - t0
+        return seeds
+
+    def launch(
+        self,
+        iteration: int,
+        policy,
+        rewards_B: torch.Tensor,
+        seeds: list[int],
+        rollout_s: float,
+        next_batch: tuple[list[str], list[int], list[int]] | None,
+    ) -> None:
+        """After the rollout of `iteration`: feed the planner, log, and (stale) explore the next batch.
+
+        Args:
+            rewards_B: (P * G,) fresh rewards of this iteration's rollout.
+            seeds: the seeds that rollout used.
+            rollout_s: the rollout + reward time (the stand-ins of the budget's first window).
+            next_batch: `plan_iteration` of the next iteration (prompts, seeds, SDE steps); None at the end.
+        """
+        t0 = time.monotonic()
+        assert self._current is not None and self._current[0] == iteration
+        _, prompts_P, outcomes, window = self._current
+        G = self.group_size
+        fresh_PG = rewards_B.detach().float().cpu().view(len(prompts_P), G).numpy()
+        ids = planner_ids(prompts_P)
+        # Unbiased groups only: a selected group holds extremes, not draws (planners.Observation).
+        self.planner.observe(
+            [Observation(ids[p], fresh_PG[p], iteration) for p, o in enumerate(outcomes) if o.chosen is None]
+        )
+        sel = [p for p, o in enumerate(outcomes) if o.chosen is not None]
+        rest = [p for p, o in enumerate(outcomes) if o.chosen is None]
+        if sel:
+            self._metrics["explore/var_selected_fresh"] = float(np.mean([group_variance(fresh_PG[p]) for p in sel]))
+        if rest:
+            self._metrics["explore/var_default_fresh"] = float(np.mean([group_variance(fresh_PG[p]) for p in rest]))
+        self._write_log(iteration, prompts_P, outcomes, window, seeds, fresh_PG)
+
+        num_samples = fresh_PG.size
+        self._rollout_s = rollout_s
+        # The throughput guess before any explorer reported (module docstring).
+        trainer_rate = num_samples / max(rollout_s, 1e-9)
+        self._guess_samples_per_s = 0.5 * trainer_rate * self.ecfg.explorer_threads / torch.get_num_threads()
+        if self.ecfg.mode == "stale" and next_batch is not None:
+            next_prompts, _, next_steps = next_batch
+            self._window = self._open_window(iteration + 1, iteration, policy, next_prompts[::G], next_steps, time_limit=True)
+        self._critical_s += time.monotonic() - t0
+
+    def collect(self, iteration: int, update_s: float) -> None:
+        """After the update of `iteration`: take the results that are ready; never wait."""
+        t0 = time.monotonic()
+        self.budget_model.observe_update(update_s)
+        self._read_stragglers()
+        if self._window is not None:
+            self._gather(self._window, timeout_s=0.0)
+            self._window = None
+        self.pool.maintain()  # replacements for dead explorers start loading the model now
+        self._critical_s += time.monotonic() - t0
+
+    def metrics(self) -> dict[str, float]:
+        """The iteration's explore/ metrics and the time exploration took on the critical path."""
+        deaths = self.pool.deaths
+        m = {
+            **self._metrics,
+            "explore/num_explorers": len(self.pool.live()),
+            "explore/explorer_deaths": deaths - self._deaths_seen,
+            "explore/explorer_respawns_total": self.pool.respawns,
+            "time/explore_s": self._critical_s,
+        }
+        self._deaths_seen = deaths
+        self._critical_s = 0.0
+        return m
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _open_window(
+        self, iteration: int, version: int, policy, prompts_P: list[str], sde_steps: list[int], *, time_limit: bool
+    ) -> _Window | None:
+        """Plan batch `iteration` within the budget and submit it with weights `version`."""
+        from spotlight.policy import trainable_state
+
+        self.pool.maintain()
+        live = self.pool.live()
+        budget = self.budget_model.budget(
+            len(live), self.ecfg.budget_fraction, rollout_s=self._rollout_s, guess_samples_per_s=self._guess_samples_per_s
+        )
+        ids = planner_ids(prompts_P)
+        counts_P = [0] * len(prompts_P)
+        if budget.num_samples > self.group_size:
+            alloc = self.planner.plan(
+                ids, budget.num_samples, group_size=self.group_size,
+                max_candidates=self.ecfg.candidates_cap(self.group_size),
+            )  # fmt: skip
+            counts_P = [alloc[i] for i in ids]
+        jobs = split_jobs(
+            iteration, version, prompts_P, counts_P,
+            run_seed=self.cfg.train.seed, sde_steps=sde_steps, num_jobs=len(live),
+            time_limit_s=budget.update_s if time_limit else None,
+        )  # fmt: skip
+        handles = []
+        if jobs:
+            # A copy on the CPU: the optimizer step that follows must not change what explorers load.
+            self.pool.publish(version, {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(policy).items()})
+            handles = [self.pool.submit(live[j], job) for j, job in enumerate(jobs)]
+        window = _Window(iteration, version, ids, counts_P, budget, jobs, handles, time.monotonic())
+        if not jobs:
+            self._collected[iteration] = window
+            return None
+        return window
+
+    def _gather(self, window: _Window, timeout_s: float | None) -> None:
+        """Take the window's finished jobs (waiting up to timeout_s; None = all); the rest are late."""
+        done = {id(h): (res, cause) for h, res, cause in self.pool.poll(window.handles, timeout_s)}
+        window.window_s = time.monotonic() - window.launched
+        late = []
+        for job, h in zip(window.jobs, window.handles):
+            if id(h) not in done:
+                window.failed.append((job, "late"))
+                late.append(h)
+                self._stragglers.append((window, job, h))
+                continue
+            res, cause = done[id(h)]
+            if res is None:
+                window.failed.append((job, cause))
+            else:
+                window.results.append(res)
+                self._learn(window, res)
+        self._collected[window.iteration] = window
+
+    def _learn(self, window: _Window, res: ExploreResult) -> None:
+        """Feed the planner the stale rewards of a result, and the throughput mean its speed."""
+        self.budget_model.observe_explorer(len(res.rewards), res.busy_s)
+        by_slot: dict[int, list[float]] = {}
+        for slot, r in zip(res.slots, res.rewards):
+            by_slot.setdefault(slot, []).append(r)
+        self.planner.observe([Observation(window.ids[s], np.asarray(r), res.version) for s, r in by_slot.items()])
+
+    def _read_stragglers(self) -> None:
+        """Late jobs of earlier windows: learn from those done; give up on those a window older."""
+        if not self._stragglers:
+            return
+        done = {id(h): res for h, res, _ in self.pool.poll([h for _, _, h in self._stragglers], 0.0)}
+        keep = []
+        for window, job, h in self._stragglers:
+            if id(h) in done:
+                if done[id(h)] is not None:
+                    self._learn(window, done[id(h)])
+            elif window.iteration >= self._latest_batch():
+                keep.append((window, job, h))
+            else:
+                self.pool.cancel([h])
+        self._stragglers = keep
+
+    def _latest_batch(self) -> int:
+        return self._current[0] if self._current is not None else -1
+
+    def _window_metrics(self, window: _Window, iteration: int) -> dict[str, float]:
+        b = window.budget
+        busy = sum(r.busy_s for r in window.results) + window.window_s * sum(c == "late" for _, c in window.failed)
+        m = {
+            "explore/budget_samples": b.num_samples,
+            "explore/predicted_update_s": b.update_s,
+            "explore/samples_per_s": b.samples_per_s,
+            "explore/throughput_guessed": float(b.guessed_throughput),
+            "explore/update_guessed": float(b.guessed_update),
+            "explore/window_s": window.window_s,
+            "explore/jobs_cut_short": sum(not r.complete for r in window.results),
+        }
+        if b.num_explorers and window.window_s > 0:
+            m["explore/utilisation"] = min(1.0, busy / (b.num_explorers * window.window_s))
+        if window.results:
+            m["explore/staleness"] = float(np.mean([iteration - r.version for r in window.results]))
+        return m
+
+    def _write_log(
+        self,
+        iteration: int,
+        prompts_P: list[str],
+        outcomes: list[SlotOutcome],
+        window: _Window | None,
+        seeds: list[int],
+        fresh_PG: np.ndarray,
+    ) -> None:
+        if self.log_path is None:
+            return
+        G = self.group_size
+
+        def clean(xs) -> list:
+            return [None if isinstance(x, float) and math.isnan(x) else x for x in (float(v) for v in xs)]
+
+        row = {
+            "iteration": iteration,
+            "mode": self.ecfg.mode,
+            "version": window.version if window is not None and window.results else None,
+            "slots": [
+                {
+                    "prompt": prompts_P[p],
+                    "planned": o.planned,
+                    "candidates": o.candidates,
+                    "stale_rewards": clean(o.rewards),
+                    "chosen": o.chosen,
+                    "cause": o.cause,
+                    "seeds": seeds[p * G : (p + 1) * G],
+                    "fresh_rewards": clean(fresh_PG[p]),
+                }
+                for p, o in enumerate(outcomes)
+            ],
+        }
+        with self.log_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def start_exploration(cfg: DiTRecipe, run_dir: str | Path) -> Exploration | None:
+    """The exploration of a recipe: None for mode "none" (Ray is not imported), else Ray explorers.
+
+    Starts (or joins, `explore.ray_address`) the Ray cluster and the explorer actors, which begin
+    loading the model at once; call `wait_ready` once the trainer is set up, and `close` at the end.
+    """
+    if cfg.explore.mode == "none":
+        return None
+    cfg.explore.validate()
+    cfg.validate()
+    from spotlight.explorer_actor import start_ray_pool
+
+    return Exploration(cfg, start_ray_pool(cfg), log_path=Path(run_dir) / LOG_FILE)

@@ -1,0 +1,299 @@
+"""Seed exploration: seed bookkeeping and budget (pure), then real runs on a local Ray cluster.
+
+The Ray tests start a real multi-node cluster on 127.0.0.1 (an on-demand head and two nodes with
+the `spot` resource) once per module, and run the real `run_training` against it with a tiny real
+model: stale and inline exploration, and an explorer killed mid-window with `ray.kill`. The CLI
+test starts its own cluster, as `spotlight train ... explore.mode=stale` does for a user.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Bind every Ray process to 127.0.0.1; read when `ray` is first imported (design.md §4).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planners import select_contrast
+from spotlight.config import DiTRecipe
+from spotlight.config_io import from_dict
+from spotlight.explore import (
+    LOG_FILE,
+    BudgetModel,
+    ExploreJob,
+    ExploreResult,
+    Exploration,
+    candidate_seeds,
+    choose_groups,
+    exploration_budget,
+    planner_ids,
+    selection_metrics,
+    split_jobs,
+)
+from spotlight.sampling import derive_seed
+from spotlight.tracking import read_metrics
+from spotlight.train import plan_iteration
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure: seeds, budget, jobs, selection, config
+# ---------------------------------------------------------------------------------------------
+
+
+def test_candidates_extend_the_default_seeds_and_plan_iteration_is_pure():
+    cfg = DiTRecipe()
+    cfg.train.prompts_per_iteration, cfg.train.group_size, cfg.train.seed = 3, 4, 7
+    prompts = [f"prompt {i}" for i in range(20)]
+    later = plan_iteration(cfg, prompts, 6)  # the next batch is planned during the current iteration
+    for k in (5, 6):
+        batch, seeds, _ = plan_iteration(cfg, prompts, k)
+        for p in range(3):
+            cands = candidate_seeds(cfg.train.seed, k, p, 12)
+            assert cands[:4] == seeds[p * 4 : (p + 1) * 4]
+            assert len(set(cands)) == 12
+    assert plan_iteration(cfg, prompts, 6) == later
+    assert planner_ids(["a", "b", "a"]) == ["a", "b", "a #2"]
+
+
+def test_budget_is_step_time_times_throughput_with_flagged_guesses():
+    assert exploration_budget(2.0, 10.0, 2, 0.8) == 32
+    assert exploration_budget(2.0, 10.0, 0, 0.8) == 0
+    assert exploration_budget(0.0, 10.0, 2, 0.8) == 0
+    bm = BudgetModel(ema=0.5)
+    b = bm.budget(2, 0.8, rollout_s=3.0, guess_samples_per_s=5.0)  # nothing measured: half the rollout time
+    assert (b.num_samples, b.update_s, b.samples_per_s, b.guessed_update, b.guessed_throughput) == (12, 1.5, 5.0, True, True)
+    bm.observe_update(3.0)
+    bm.observe_update(1.0)
+    bm.observe_explorer(20, 2.0)
+    bm.observe_explorer(0, 1.0)  # nothing scored: no throughput evidence
+    b = bm.budget(3, 0.5, rollout_s=9.0, guess_samples_per_s=99.0)
+    assert (b.update_s, b.samples_per_s, b.num_samples, b.guessed_update, b.guessed_throughput) == (2.0, 10.0, 30, False, False)
+    again = BudgetModel(ema=0.5)
+    again.load_state_dict(json.loads(json.dumps(bm.state_dict())))
+    assert again.budget(3, 0.5, rollout_s=9.0, guess_samples_per_s=99.0) == b
+
+
+def test_split_jobs_cover_the_plan_once_prompt_major():
+    counts = [0, 9, 5, 10]
+    jobs = split_jobs(4, 3, ["a", "b", "c", "d"], counts, run_seed=1, sde_steps=[0, 1], num_jobs=3, time_limit_s=2.0)
+    rows = [(s, c) for j in jobs for s, c in zip(j.slots, j.candidates)]
+    assert rows == [(p, i) for p, n in enumerate(counts) for i in range(n)]
+    assert max(len(j.seeds) for j in jobs) - min(len(j.seeds) for j in jobs) <= 1
+    for j in jobs:
+        assert (j.iteration, j.version, j.sde_steps, j.time_limit_s) == (4, 3, [0, 1], 2.0)
+        assert j.seeds == [derive_seed(1, 4, s, c) for s, c in zip(j.slots, j.candidates)]
+        assert j.prompts == [["a", "b", "c", "d"][s] for s in j.slots]
+    assert split_jobs(0, 0, ["a"], [0], run_seed=1, sde_steps=[], num_jobs=2, time_limit_s=None) == []
+
+
+def _result(slots, cands, rewards, version=3) -> ExploreResult:
+    return ExploreResult(4, version, slots, cands, rewards, busy_s=1.0, complete=True)
+
+
+def test_choose_groups_selects_by_rule_and_names_fallback_causes():
+    G = 2
+    counts = [5, 5, 5, 0, 5, 5]
+    r0 = [0.1, 0.9, 0.5, 0.0, 0.7]
+    results = [_result([0] * 5, list(range(5)), r0), _result([1, 1], [0, 1], [0.0, 1.0]), _result([5] * 4, [1, 2, 3, 4], [0.2, 0.3, 0.1, 0.8])]
+    dead = ExploreJob(4, 3, ["c"] * 5, [2] * 5, list(range(5)), [0] * 5, [0])
+    late = ExploreJob(4, 3, ["e"] * 5, [4] * 5, list(range(5)), [0] * 5, [0])
+    out = choose_groups(counts, results, [(dead, "died"), (late, "late")], group_size=G, rule="extremes", run_seed=0, iteration=4)
+    assert out[0].chosen == [1, 3] == select_contrast(r0, G)  # the top and the bottom candidate
+    assert out[1].chosen is None and out[1].cause == "partial"  # only G scored: nothing to choose
+    assert (out[2].cause, out[3].cause, out[4].cause) == ("died", None, "late")
+    assert out[3].planned == 0 and out[3].group(G) == [0, 1]
+    assert out[5].chosen == [3, 4]  # candidate indices, not positions: candidate 0 never came back
+    m = selection_metrics(out, G)
+    assert m["explore/prompts_planned"] == 5 and m["explore/prompts_selected"] == 2
+    assert (m["explore/fallback_died"], m["explore/fallback_late"], m["explore/fallback_partial"], m["explore/fallback_error"]) == (1, 1, 1, 0)
+    assert m["explore/var_selected_stale"] == pytest.approx(np.mean([np.var([0.9, 0.0]), np.var([0.1, 0.8])]))
+    assert m["explore/var_default_stale"] == pytest.approx(np.var([0.1, 0.9]))  # prompt 5 lacks candidate 0
+    rand = [choose_groups(counts, results, [], group_size=G, rule="random", run_seed=0, iteration=4)[0].chosen for _ in range(2)]
+    assert rand[0] == rand[1] and len(set(rand[0])) == G
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"explore": {"mode": "x"}}, "explore.mode: expected one of 'none', 'inline', 'stale'"),
+        ({"explore": {"planner": "oracle"}}, "explore.planner: expected one of"),
+        ({"explore": {"selection": "top"}}, "explore.selection: expected one of 'extremes', 'random'"),
+        ({"explore": {"max_candidates": 4}, "train": {"group_size": 4}}, "explore.max_candidates=4 must be > train.group_size=4"),
+        ({"explore": {"budget_fraction": 0}}, "explore: budget_fraction must be in (0, 1]"),
+    ],
+)
+def test_explore_config_errors_name_the_field(override, message):
+    with pytest.raises(ValueError) as err:
+        from_dict(DiTRecipe, override, source="r.yaml")
+    assert message in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real runs
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_recipe(model_dir: Path, mode: str, **explore) -> DiTRecipe:
+    """A tiny run whose update is several times its rollout (so a window has room for candidates).
+
+    The reward is JPEG compressibility: the random tiny model draws no recognisable shapes, so the
+    shapes reward would be 0 everywhere, every group would be filtered, and no update would run.
+    """
+    data = {
+        "model": {"path": str(model_dir), "height": 32, "width": 32},
+        "sample": {"num_steps": 3, "batch_size": 16},
+        "reward": {"weights": {"jpeg_compressibility": 1.0}},
+        "train": {
+            "num_iterations": 3, "prompts_per_iteration": 2, "group_size": 4, "num_inner_epochs": 4,
+            "minibatch_size": 2, "max_minutes": 0,
+        },
+        "log": {"wandb_mode": "disabled", "images_every": 0, "checkpoint_every": 3},
+        "data": {"num_heldout": 8},
+        "explore": {"mode": mode, "planner": "uniform", "max_candidates": 8, "budget_fraction": 1.0, **explore},
+    }  # fmt: skip
+    return from_dict(DiTRecipe, data)
+
+
+def read_log(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / LOG_FILE).read_text().splitlines()]
+
+
+def check_selection(cfg: DiTRecipe, rows: list[dict]) -> int:
+    """Every selected group is the rule's choice among the stale candidates, seeded as a candidate."""
+    G, num_selected = cfg.train.group_size, 0
+    for row in rows:
+        for p, slot in enumerate(row["slots"]):
+            if slot["chosen"] is None:
+                assert slot["seeds"] == candidate_seeds(cfg.train.seed, row["iteration"], p, G)
+                continue
+            num_selected += 1
+            picks = select_contrast(slot["stale_rewards"], G, "extremes")
+            assert slot["chosen"] == [slot["candidates"][i] for i in picks]
+            assert slot["seeds"] == [derive_seed(cfg.train.seed, row["iteration"], p, i) for i in slot["chosen"]]
+    return num_selected
+
+
+def test_stale_mode_from_the_cli(tiny_model_dir, tmp_path):
+    """`spotlight train <recipe> explore.mode=stale` with its own local cluster, end to end."""
+    run_dir = tmp_path / "run"
+    cfg = tiny_recipe(tiny_model_dir, "stale")
+    overrides = [
+        f"model.path={tiny_model_dir}", "sample.num_steps=3", "sample.batch_size=16", "train.num_iterations=4",
+        "train.prompts_per_iteration=2", "train.group_size=4", "train.num_inner_epochs=4", "train.minibatch_size=2",
+        "reward.weights={jpeg_compressibility: 1.0}",
+        "train.max_minutes=0", "log.wandb_mode=disabled", "log.images_every=0",
+        "log.checkpoint_every=4", "data.num_heldout=8", "explore.mode=stale", "explore.planner=uniform",
+        "explore.max_candidates=8", "explore.budget_fraction=1.0",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "spotlight.cli", "train", "configs/dit/tiny-shapes.yaml", *overrides, "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=240, cwd=REPO, env=dict(os.environ, WANDB_MODE="disabled"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 explorer(s) ready" in proc.stdout
+    rows, log = read_metrics(run_dir), read_log(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["explore/prompts_selected"] == 0  # nothing was explored before the first update
+    assert check_selection(cfg, log) > 0, [r.get("explore/budget_samples") for r in rows]
+    for r, row in zip(rows[1:], log[1:]):
+        if row["version"] is not None:
+            assert row["version"] == row["iteration"] - 1 and r["explore/staleness"] == 1
+        assert "time/explore_s" in r and "time/iteration_s" in r
+    from spotlight.checkpoint import load_checkpoint
+
+    meta = load_checkpoint(run_dir).meta["explore"]
+    assert meta["planner"]["planner"] == "uniform" and meta["budget"]["update_s"] > 0
+
+
+def test_mode_none_matches_the_driver_before_exploration_and_never_imports_ray(tiny_model_dir, tmp_path, monkeypatch):
+    """Regression: mode none gives the metrics of the committed driver (HEAD's train.py), without Ray."""
+    source = subprocess.run(["git", "show", "HEAD:spotlight/train.py"], capture_output=True, text=True, cwd=REPO)
+    if source.returncode:
+        pytest.skip("no git history to compare with")
+    head = types.ModuleType("head_train")
+    exec(compile(source.stdout, "HEAD:spotlight/train.py", "exec"), head.__dict__)
+    from spotlight.train import run_training
+
+    data = {
+        "model": {"path": str(tiny_model_dir), "height": 32, "width": 32},
+        "sample": {"num_steps": 3},
+        "reward": {"weights": {"jpeg_compressibility": 1.0}},  # varies per seed: every group trains
+        "train": {"num_iterations": 2, "prompts_per_iteration": 2, "group_size": 4, "minibatch_size": 4, "max_minutes": 0},
+        "log": {"wandb_mode": "disabled", "images_every": 0},
+        "data": {"num_heldout": 8},
+    }  # fmt: skip
+    cfg = from_dict(DiTRecipe, data)
+    monkeypatch.setitem(sys.modules, "ray", None)  # any `import ray` now raises ImportError
+    run_training(cfg, tmp_path / "new", progress=False)
+    head.run_training(cfg, tmp_path / "head", progress=False)
+
+    def strip(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+    assert strip(read_metrics(tmp_path / "new")) == strip(read_metrics(tmp_path / "head"))
+    assert not (tmp_path / "new" / LOG_FILE).exists()
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    from spotlight.explorer_actor import LocalCluster
+
+    cluster = LocalCluster(2)
+    yield cluster.address
+    cluster.shutdown()
+
+
+def test_inline_waits_and_uses_fresh_weights(tiny_model_dir, ray_address, tmp_path):
+    from spotlight.train import run_training
+
+    cfg = tiny_recipe(tiny_model_dir, "inline", ray_address=ray_address)
+    run_training(cfg, tmp_path, progress=False)
+    rows, log = read_metrics(tmp_path), read_log(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert "explore/prompts_planned" in rows[0] and rows[0]["explore/prompts_planned"] == 0  # nothing timed yet
+    explored = [r for r in log if r["version"] is not None]
+    assert explored, "inline exploration never ran"
+    assert all(r["version"] == r["iteration"] for r in explored)  # fresh weights: staleness 0
+    assert all(rows[r["iteration"]]["explore/staleness"] == 0 for r in explored)
+    assert all(rows[r["iteration"]][f"explore/fallback_{c}"] == 0 for r in explored for c in ("late", "died", "error"))
+    assert check_selection(cfg, log) > 0
+
+
+def test_fallback_when_an_explorer_is_killed_mid_window(tiny_model_dir, ray_address, tmp_path, monkeypatch):
+    import ray
+
+    from spotlight.train import run_training
+
+    killed = []
+    launch = Exploration.launch
+
+    def launch_then_kill(self, iteration, *args, **kwargs):
+        launch(self, iteration, *args, **kwargs)
+        if not killed and self._window is not None:
+            handle = self._window.handles[0]
+            ray.kill(handle.actor)
+            ray.wait([handle.ref], timeout=30)  # until Ray reports the death; the update has not started
+            killed.append((iteration, set(self._window.jobs[0].slots)))
+
+    monkeypatch.setattr(Exploration, "launch", launch_then_kill)
+    cfg = tiny_recipe(tiny_model_dir, "stale", ray_address=ray_address)
+    summary = run_training(cfg, tmp_path, progress=False)
+    assert summary["iterations"] == 3  # training went on
+    assert killed, "no exploration window was launched"
+    it, slots = killed[0]
+    rows = read_metrics(tmp_path)
+    assert rows[it]["explore/explorer_deaths"] == 1
+    died = {p for p, slot in enumerate(read_log(tmp_path)[it + 1]["slots"]) if slot["cause"] == "died"}
+    assert died and died <= slots  # only the prompts of the killed explorer's job (one may be shared)
+    assert rows[it + 1]["explore/fallback_died"] == len(died)
+    assert rows[-1]["explore/explorer_respawns_total"] >= 1
