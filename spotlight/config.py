@@ -182,6 +182,8 @@ class EvalConfig:
     """First evaluation seed (kept apart from training seeds)."""
     batch_size: int = 64
     """Samples per forward batch."""
+    every: int = 0
+    """During `spotlight train`, evaluate the held-out prompts every this many iterations (eval/* metrics); 0 = never."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ from rich.table import Table
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
+from spotlight.evaluate import evaluate
 from spotlight.explore import Exploration, start_exploration
 from spotlight.grpo import group_advantages
 from spotlight.policy import load_policy, load_trainable_state, trainable_state
@@ -75,7 +76,7 @@ def _train(cfg: DiTRecipe, run_dir: Path, exploration: Exploration | None, *, re
         torch.set_num_threads(cfg.train.num_threads)
     save_config(cfg, run_dir / "config.yaml")
 
-    train_prompts, _ = train_and_eval_prompts(cfg.data, cfg.reward.weights)
+    train_prompts, eval_prompts = train_and_eval_prompts(cfg.data, cfg.reward.weights)
     policy = load_policy(cfg.model)
     trainer = GRPOTrainer(policy, cfg)
     reward_fn = build_reward(cfg.reward.weights, **cfg.reward.options())
@@ -170,6 +171,11 @@ def _train(cfg: DiTRecipe, run_dir: Path, exploration: Exploration | None, *, re
                 "time/iteration_s": time.monotonic() - t0,
             }
             step = it + 1
+            if cfg.eval.every and step % cfg.eval.every == 0:
+                # Held-out reward of θ_{k+1}; its time is outside time/iteration_s.
+                summary, _ = evaluate(policy, eval_prompts, reward_fn, cfg, progress=False)
+                metrics["eval/mean_reward"] = summary["mean_reward"]
+                metrics["eval/seconds"] = summary["seconds"]
             tracker.log(metrics, step=step)
             history.append(metrics)
             if cfg.log.images_every and step % cfg.log.images_every == 0:

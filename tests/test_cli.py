@@ -95,6 +95,19 @@ def test_resume_is_exact(tiny_model_dir, tmp_path, objective):
         assert torch.equal(value, b.tensors["trainable"][key]), key
 
 
+def test_periodic_held_out_eval_during_training(tiny_model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", *tiny_overrides(tiny_model_dir, 2), "eval.every=2", "--run-dir", str(run_dir), "--quiet"]) == 0
+    rows = read_metrics(run_dir)
+    assert "eval/mean_reward" not in rows[0]
+    assert 0.0 <= rows[1]["eval/mean_reward"] <= 1.0
+    capsys.readouterr()
+    # The same number `spotlight eval` reports for that checkpoint.
+    assert main(["eval", *tiny_overrides(tiny_model_dir), "--checkpoint", str(run_dir), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["mean_reward"] == pytest.approx(rows[1]["eval/mean_reward"], abs=1e-6)
+
+
 def test_ctrl_c_keeps_last_checkpoint_and_resumes(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     args = [*tiny_overrides(tiny_model_dir, 200), "log.checkpoint_every=1", "--run-dir", str(run_dir), "--quiet"]
