@@ -2,8 +2,10 @@
 
 overhead_ratio = time(sample(): B images x K steps, SDE with log-probs, per-sample seeded noise)
                  / (K x time(one batched transformer forward of the same batch)),
-both measured alternately in one run (medians of `--repeats`), at the tiny default recipe's sizes.
-Prints one JSON line.
+both measured alternately in one run (medians of `--repeats`), at the tiny default recipe's sizes
+(its rollout batch and steps). Every step is stochastic with Flow-GRPO's step at `--noise-level`
+(default 1.2, Qwen-Image's), whatever sampler the recipe trains with: the figure is the cost of
+the SDE loop. Prints one JSON line.
 
     .venv/bin/python benchmarks/sampler_overhead.py
 """
@@ -26,6 +28,7 @@ from spotlight.sampling import qwen_image_sigmas, sample
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--noise-level", type=float, default=1.2, help="SDE noise level a (> 0)")
     args = parser.parse_args()
 
     cfg = DiTRecipe()
@@ -44,7 +47,8 @@ def main() -> None:
 
     def loop() -> float:
         t = time.perf_counter()
-        traj = sample(velocity, seeds, policy.latent_shape, sigmas, noise_level=cfg.sample.noise_level)
+        traj = sample(velocity, seeds, policy.latent_shape, sigmas, noise_level=args.noise_level)
+        assert bool((traj.log_probs != 0).all()), "every step must be stochastic, with a log-prob"
         assert traj.log_probs.shape == (steps, batch)
         return time.perf_counter() - t
 
@@ -67,6 +71,7 @@ def main() -> None:
         "forward_seconds": round(forward_s, 5),
         "batch": batch,
         "steps": steps,
+        "noise_level": args.noise_level,
         "threads": torch.get_num_threads(),
     }))  # fmt: skip
 

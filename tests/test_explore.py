@@ -297,3 +297,23 @@ def test_fallback_when_an_explorer_is_killed_mid_window(tiny_model_dir, ray_addr
     assert died and died <= slots  # only the prompts of the killed explorer's job (one may be shared)
     assert rows[it + 1]["explore/fallback_died"] == len(died)
     assert rows[-1]["explore/explorer_respawns_total"] >= 1
+
+
+def test_time_to_target_counts_training_time_only():
+    """benchmarks/time_to_target.py: summed iteration time up to the first evaluation at the target."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "time_to_target.py"
+    spec = importlib.util.spec_from_file_location("time_to_target", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [
+        {"step": 1, "time/iteration_s": 2.0},
+        {"step": 2, "time/iteration_s": 3.0, "eval/mean_reward": 0.41, "eval/seconds": 50.0},
+        {"step": 3, "time/iteration_s": 4.0},
+        {"step": 4, "time/iteration_s": 1.0, "eval/mean_reward": 0.45, "eval/seconds": 50.0},
+    ]
+    assert module.time_to_target(rows, 0.45) == {"reached": True, "iterations": 4, "seconds": 10.0}
+    assert module.time_to_target(rows, 0.41) == {"reached": True, "iterations": 2, "seconds": 5.0}
+    assert module.time_to_target(rows, 0.5)["reached"] is False
