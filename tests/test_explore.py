@@ -204,7 +204,10 @@ def test_stale_mode_from_the_cli(tiny_model_dir, tmp_path):
     rows, log = read_metrics(run_dir), read_log(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[0]["explore/prompts_selected"] == 0  # nothing was explored before the first update
-    assert check_selection(cfg, log) > 0, [r.get("explore/budget_samples") for r in rows]
+    # Under CPU load every window may come back after its update; then the prompts count as late.
+    # (test_stale_selects_when_the_window_finishes_in_time checks the selection deterministically.)
+    late = sum(r.get("explore/fallback_late", 0) for r in rows)
+    assert check_selection(cfg, log) > 0 or late > 0, [r.get("explore/budget_samples") for r in rows]
     for r, row in zip(rows[1:], log[1:]):
         if row["version"] is not None:
             assert row["version"] == row["iteration"] - 1 and r["explore/staleness"] == 1
@@ -267,6 +270,31 @@ def test_inline_waits_and_uses_fresh_weights(tiny_model_dir, ray_address, tmp_pa
     assert all(rows[r["iteration"]]["explore/staleness"] == 0 for r in explored)
     assert all(rows[r["iteration"]][f"explore/fallback_{c}"] == 0 for r in explored for c in ("late", "died", "error"))
     assert check_selection(cfg, log) > 0
+
+
+def test_stale_selects_when_the_window_finishes_in_time(tiny_model_dir, ray_address, tmp_path, monkeypatch):
+    """With the update outlasting the exploration (forced here), batch k+1 trains on selected seeds."""
+    import ray
+
+    from spotlight.train import run_training
+
+    launch = Exploration.launch
+
+    def launch_then_let_it_finish(self, iteration, *args, **kwargs):
+        launch(self, iteration, *args, **kwargs)
+        if self._window is not None:  # stands in for an update longer than the window
+            refs = [h.ref for h in self._window.handles]
+            ray.wait(refs, num_returns=len(refs), timeout=120)
+
+    monkeypatch.setattr(Exploration, "launch", launch_then_let_it_finish)
+    cfg = tiny_recipe(tiny_model_dir, "stale", ray_address=ray_address)
+    run_training(cfg, tmp_path, progress=False)
+    rows, log = read_metrics(tmp_path), read_log(tmp_path)
+    assert check_selection(cfg, log) > 0
+    for r, row in zip(rows[1:], log[1:]):
+        if row["version"] is not None:
+            assert row["version"] == row["iteration"] - 1 and r["explore/staleness"] == 1
+    assert all(r["explore/fallback_late"] == 0 for r in rows)
 
 
 def test_fallback_when_an_explorer_is_killed_mid_window(tiny_model_dir, ray_address, tmp_path, monkeypatch):
