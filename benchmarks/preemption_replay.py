@@ -1,0 +1,277 @@
+"""Pull vs push scheduling of real denoising jobs on a local Ray cluster that replays a spot trace.
+
+The trace is fitted to this machine: trimmed, its node count rescaled to `--nodes` (counts scaled
+and rounded, `Trace.rescaled`), cut to a `--window-s` stretch (default: the one with the most
+preemptions, `spot.replay.busiest_window`), compressed `--compress` times, and, with
+`--notice-s S`, every preemption warned S trace-seconds ahead (AWS gives 120) through a fake
+instance-metadata endpoint per node that the node's worker watches. `--synthetic` replaces the
+file with `synthetic_trace` (already node-sized; not rescaled or windowed).
+
+Workers are heterogeneous: trace node `node-K` runs at speed `speeds[K % len(speeds)]` (default
+1, 0.5, so nodes alternate fast and half as fast), i.e. each denoising step is padded to
+`step_s / speed` wall seconds. The padding stands for a slower accelerator and leaves the bits
+alone; the tiny model's real step (~6 ms on one core) fits inside it.
+
+The same jobs (the shipped tiny model, `--steps` steps each, prompts from the shapes grammar) run
+twice on the same replay, one after the other: under `PullScheduler` and under the push baseline
+`PushScheduler` (round robin up front to the workers ready at the start, a lost worker's jobs
+re-pushed round robin to the workers ready then, resuming from their last commit like pull; see
+spot/scheduler.py). Each run starts once the trace's initial nodes have loaded their workers; the
+trace clock and the job stream start together; the run ends when every job has a result (after the
+window the cluster stays as the trace left it).
+
+Reported (one JSON line with --json):
+    jobs, preemptions        jobs per run; preemptions replayed during the pull run
+    lost, duplicated         jobs without a result / results delivered twice, both runs summed
+    recomputed_steps_per_preemption   pull run: steps finished after a job's last commit and lost
+                             with its worker (queue accounting), over the preemptions replayed
+    max_recomputed_steps     the most steps one interrupted job lost (goal: <= commit_every)
+    throughput_ratio_pull_vs_push     jobs/s under pull over jobs/s under push
+    bit_exact                every final latent of both runs equals the uninterrupted sampling of
+                             its (prompt, seed)
+    pull, push               per-run details
+
+    .venv/bin/python benchmarks/preemption_replay.py --trace traces/parcae-p3-aws.csv --json
+    .venv/bin/python benchmarks/preemption_replay.py --trace traces/parcae-p3-aws.csv --notice-s 120 --json
+    .venv/bin/python benchmarks/preemption_replay.py --synthetic --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", type=Path, help="trace file (any format spot.traces reads)")
+    src.add_argument("--synthetic", action="store_true", help="a seeded synthetic trace instead")
+    p.add_argument("--notice-s", type=float, default=0.0, help="notice lead in trace seconds (0: no notice)")
+    p.add_argument("--compress", type=float, default=40.0, help="trace seconds per wall second")
+    p.add_argument("--window-s", type=float, default=2400.0, help="stretch of the trace to replay, trace seconds")
+    p.add_argument("--start-s", type=float, default=None, help="start of the stretch; default: the busiest")
+    p.add_argument("--nodes", type=int, default=3, help="peak spot nodes (each one CPU, one worker)")
+    p.add_argument("--speeds", default="1,0.5", help="worker speeds, cycled over trace nodes node-0, node-1, ...")
+    p.add_argument("--step-s", type=float, default=0.05, help="wall time of one step at speed 1")
+    p.add_argument("--steps", type=int, default=10, help="denoising steps per job")
+    p.add_argument("--commit-every", type=int, default=4, help="m: commit every m steps")
+    p.add_argument("--jobs", type=int, default=0, help="jobs per run; 0: about what pull finishes in the window")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="give up a run after this long")
+    p.add_argument("--seed", type=int, default=0, help="seed of the jobs (and of the synthetic trace)")
+    p.add_argument("--json", action="store_true", help="print only the JSON line")
+    args = p.parse_args()
+
+    # Ray's processes write to this process's stdout; keep it for the JSON line alone.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
+
+    trace = fit_trace(args)
+    speeds = [float(s) for s in args.speeds.split(",")]
+    jobs_n = args.jobs or size_jobs(trace, speeds, args)
+    result = run(trace, speeds, jobs_n, args)
+    line = json.dumps(result)
+    if not args.json:
+        print(summary(result), file=sys.stderr)
+    print(line, file=out, flush=True)
+
+
+def fit_trace(args):
+    from spot.replay import busiest_window, window
+    from spot.traces import load_trace, synthetic_trace
+
+    if args.synthetic:
+        trace = synthetic_trace(
+            num_nodes=args.nodes, duration_s=args.window_s, preemptions_per_node_hour=4.0,
+            replacement_delay_s=120.0, seed=args.seed,
+        )  # fmt: skip
+        start = 0.0
+    else:
+        full = load_trace(args.trace).trimmed().rescaled(args.nodes)
+        start = busiest_window(full, args.window_s) if args.start_s is None else args.start_s
+        trace = window(full, start, args.window_s)
+    trace = trace.compressed(args.compress)
+    if args.notice_s > 0:
+        trace = trace.with_notices(args.notice_s / args.compress)
+    logging.info("%s; start %g s", trace.summary(), start)
+    args.window_start_s = start
+    return trace
+
+
+def node_speed(name: str, speeds: list[float]) -> float:
+    """Speed of trace node `node-K`."""
+    return speeds[int(name.rsplit("-", 1)[1]) % len(speeds)]
+
+
+def size_jobs(trace, speeds: list[float], args, startup_s: float = 8.0) -> int:
+    """About the jobs pull finishes in the window: each node's speed x its time in the window once
+    its worker is up (~8 s after a mid-window add: node start and model load), over the time one job
+    takes at speed 1, times 0.8."""
+    added: dict[str, float] = {}
+    speed_s = 0.0
+
+    def useful(node: str, end_s: float) -> float:
+        up = added[node] + (startup_s if added[node] > 0 else 0.0)
+        return max(0.0, end_s - up) * node_speed(node, speeds)
+
+    for ev in trace.events:
+        if ev.kind == "add":
+            added[ev.node_id] = ev.t_s
+        else:
+            speed_s += useful(ev.node_id, ev.t_s)
+            del added[ev.node_id]
+    speed_s += sum(useful(node, trace.duration_s) for node in list(added))
+    return max(2 * args.nodes, int(0.8 * speed_s / (args.steps * args.step_s)))
+
+
+def run(trace, speeds: list[float], num_jobs: int, args) -> dict:
+    from spot.replay import NODE_LABEL, ReplayCluster, TraceReplayer
+    from spot.jobqueue import Job
+    from spot.scheduler import DenoiseSpec, PullScheduler, PushScheduler
+    from spotlight.config import ModelConfig
+    from spotlight.rewards.shapes import all_prompts
+    from spotlight.sampling import derive_seed
+
+    prompts = all_prompts(1)
+    jobs = [Job(i, prompts[i % len(prompts)], seed=derive_seed(args.seed, i)) for i in range(num_jobs)]
+    spec = DenoiseSpec(num_steps=args.steps)
+    model = ModelConfig()
+    cluster = ReplayCluster()
+    try:
+        import ray
+
+        ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
+        runs = {}
+        for name, cls in (("pull", PullScheduler), ("push", PushScheduler)):
+            runs[name] = one_run(cluster, trace, cls, model, spec, jobs, speeds, args, NODE_LABEL, TraceReplayer)
+            logging.info("%s: %s", name, {k: v for k, v in runs[name].items() if k != "latents"})
+    finally:
+        cluster.shutdown()
+    bit_exact = check_bits(model, spec, jobs, [runs["pull"].pop("latents"), runs["push"].pop("latents")])
+    pull, push = runs["pull"], runs["push"]
+    return {
+        "trace": "synthetic" if args.synthetic else args.trace.name,
+        "window_s": [args.window_start_s, args.window_start_s + args.window_s],
+        "compress": args.compress,
+        "notice_s": args.notice_s,
+        "nodes": args.nodes,
+        "speeds": speeds,
+        "jobs": num_jobs,
+        "steps": args.steps,
+        "commit_every": args.commit_every,
+        "preemptions": pull["preemptions"],
+        "lost": pull["lost"] + push["lost"],
+        "duplicated": pull["duplicated"] + push["duplicated"],
+        "recomputed_steps_per_preemption": pull["recomputed_steps"] / max(1, pull["preemptions"]),
+        "max_recomputed_steps": max(pull["max_recomputed_steps"], push["max_recomputed_steps"]),
+        "throughput_ratio_pull_vs_push": round(pull["jobs_per_s"] / push["jobs_per_s"], 3),
+        "bit_exact": bit_exact,
+        "pull": pull,
+        "push": push,
+    }
+
+
+def one_run(cluster, trace, cls, model, spec, jobs, speeds, args, label, replayer_cls) -> dict:
+    from spot.scheduler import WorkerPool
+
+    replayer = replayer_cls(cluster, trace, fake_imds=args.notice_s > 0)
+    pool = None
+    sched = None
+    try:
+        initial = replayer.add_initial()
+
+        def node_kwargs(node: dict) -> dict:
+            name = node["Labels"][label]
+            return {"step_s": args.step_s / node_speed(name, speeds), "imds_endpoint": replayer.imds_url(name)}
+
+        pool = WorkerPool(
+            model, spec, worker_kwargs={"commit_every": args.commit_every, "imds_poll_s": 0.2}, node_kwargs=node_kwargs
+        )
+        pool.wait_ready(len(initial), timeout_s=300)
+        sched = cls(pool)
+        sched.submit(jobs)
+        # The scheduler runs on a thread; the replayer on this one (Ray starts nodes from the main thread).
+        done, box = threading.Event(), {}
+
+        def drive():
+            try:
+                box["report"] = sched.run(timeout_s=args.timeout_s)
+            except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
+                box["error"] = err
+            finally:
+                done.set()
+
+        driver = threading.Thread(target=drive, name="scheduler")
+        driver.start()
+        replayer.run(stop=done)
+        driver.join()  # ends on its own: every job delivered, or its timeout
+        if "error" in box:
+            raise box["error"]
+        report = box["report"]
+        preemptions = replayer.num_preemptions
+        notices = sum(ev.kind == "notice" for ev in replayer.applied)
+        s = report.stats
+        late = [ev.at_s - ev.t_s for ev in replayer.applied if ev.t_s > 0]
+        return {
+            "wall_s": round(report.wall_s, 2),
+            "jobs_per_s": round(len(report.results) / report.wall_s, 3),
+            "preemptions": preemptions,
+            "notices": notices,
+            "lost": report.lost,
+            "duplicated": report.duplicated,
+            "leases": s.leases,
+            "revoked": s.revoked,
+            "released": s.released,
+            "recomputed_steps": s.recomputed_steps,
+            "max_recomputed_steps": s.max_recomputed_steps,
+            "stale_results_dropped": s.stale_results,
+            "workers_died": sum(ev == "died" for _, _, ev in report.events),
+            "workers_left": sum(ev == "left" for _, _, ev in report.events),
+            "repushed": len(getattr(sched, "repushed", [])),
+            "max_event_delay_s": round(max(late, default=0.0), 2),
+            "latents": {r.job_id: r.latent_LC for r in report.results},
+        }
+    finally:
+        if sched is not None:
+            sched.close()
+        if pool is not None:
+            pool.close()
+        replayer.remove_all()
+
+
+def check_bits(model, spec, jobs, latents_by_run: list[dict]) -> bool:
+    """Every delivered latent equals the uninterrupted sampling of its job (one thread, as the workers)."""
+    import torch
+
+    from spot.scheduler import sample_uninterrupted
+    from spotlight.policy import load_policy
+
+    torch.set_num_threads(1)
+    policy = load_policy(model, trainable=False)
+    for job in jobs:
+        ref = sample_uninterrupted(policy, job, spec)
+        for latents in latents_by_run:
+            if job.job_id in latents and not torch.equal(latents[job.job_id], ref):
+                logging.warning("job %d differs from its uninterrupted sampling", job.job_id)
+                return False
+    return True
+
+
+def summary(r: dict) -> str:
+    return (
+        f"{r['trace']} window {r['window_s']} s /{r['compress']:g}, notice {r['notice_s']:g} s: {r['jobs']} jobs, "
+        f"{r['preemptions']} preemptions; lost {r['lost']}, duplicated {r['duplicated']}, "
+        f"recomputed {r['recomputed_steps_per_preemption']:.2f} steps/preemption; pull {r['pull']['jobs_per_s']} "
+        f"vs push {r['push']['jobs_per_s']} jobs/s = {r['throughput_ratio_pull_vs_push']}x; bit exact {r['bit_exact']}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""The job queue of the pull scheduler: jobs, leases, commits and results (pure Python, no Ray).
+
+Shape legend: L image tokens, C packed channels.
+
+A job is one denoising trajectory; its state after k of its N steps is (k, latent_k), its RNG state
+(seed, k) (the noise is counter-based). The queue is the single source of truth for who holds which
+job and where each job resumes:
+
+    pull(worker)      a free worker takes a pending job under a fresh lease id (an epoch)
+    progress(lease)   after each step: renews the lease, records how far the worker got
+    commit(lease, k)  every m steps, and at once on a preemption notice: the queue keeps (k, latent)
+    complete(lease)   the final latent; the job is done and its result is delivered once
+    worker_lost(w)    death detection: w's lease is revoked, its job resumes from the last commit
+    expire()          leases whose worker went silent for lease_timeout_s are revoked the same way
+
+Exactly once: a commit or result counts only under the job's current lease, and a commit never
+moves a job backwards (an older k is ignored); a revoked lease's late messages are dropped, and a
+worker declared lost is fenced (its pulls get STOP). `spot.scheduler` runs it as one
+single-threaded Ray actor, so every call is atomic: a worker killed mid-commit either delivered
+the whole commit or none of it.
+
+Accounting: each lease records the last step its worker reported (`progress`). When a lease ends
+early, the steps past the job's last commit are lost and counted in `recomputed_steps` (a step in
+flight when the worker died, or a report lost with it, is not counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+WAIT, STOP = "wait", "stop"
+"""`JobQueue.pull` answers: nothing for this worker now / never again (queue closed or worker fenced)."""
+ACCEPTED, IGNORED, STALE = "accepted", "ignored", "stale"
+"""Acks: applied / harmless no-op (a commit for an older step) / the lease is gone: abandon the job."""
+
+
+# -- jobs and the queue (pure) ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One denoising trajectory to sample."""
+
+    job_id: int
+    """Unique within a queue."""
+    prompt: str
+    """Text prompt."""
+    seed: int
+    """Trajectory seed: fixes the initial noise and every SDE draw."""
+    version: int = 0
+    """Weights version to sample with; a worker pulls only jobs of the version it holds."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A job handed to a worker, with the committed state it resumes from."""
+
+    lease_id: int
+    """Epoch of this hand-out; every later message about the job carries it."""
+    job: Job
+    """The job."""
+    step: int
+    """Steps already done (0: start from the seeded initial noise)."""
+    latent_LC: torch.Tensor | None
+    """(L, C) latent after `step` steps; None when step is 0."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished trajectory, delivered once."""
+
+    job_id: int
+    latent_LC: torch.Tensor
+    """(L, C) final latent."""
+    worker_id: str
+    """Worker that ran the last steps."""
+    num_leases: int
+    """Hand-outs the job needed (1: never interrupted)."""
+
+
+@dataclass
+class QueueStats:
+    """Counters of a `JobQueue` (the benchmark's accounting)."""
+
+    submitted: int = 0
+    done: int = 0
+    leases: int = 0
+    """Leases handed out."""
+    commits: int = 0
+    """Commits applied."""
+    commits_ignored: int = 0
+    """Commits for a step not newer than the committed one (harmless repeats)."""
+    stale_messages: int = 0
+    """Commits, progress reports and results under a revoked lease, dropped."""
+    stale_results: int = 0
+    """Of which final results: what would have been duplicates."""
+    revoked: int = 0
+    """Leases taken back from lost or silent workers."""
+    released: int = 0
+    """Leases handed back by workers after a notice (with a commit of their last step)."""
+    recomputed_steps: int = 0
+    """Steps finished under a lease after its job's last commit, lost when the lease ended early."""
+    max_recomputed_steps: int = 0
+    """The most steps lost by one lease."""
+    steps_reported: int = 0
+    """Steps workers reported done (useful and lost)."""
+
+
+@dataclass
+class _Entry:
+    job: Job
+    step: int = 0
+    latent_LC: Any = None
+    assignee: str | None = None
+    lease: _LeaseState | None = None
+    done: bool = False
+    num_leases: int = 0
+
+
+@dataclass
+class _LeaseState:
+    lease_id: int
+    job_id: int
+    worker_id: str
+    progress: int
+    deadline: float
+
+
+class JobQueue:
+    """Pending jobs, leases and committed states; the single source of truth (pure, no Ray).
+
+    Args:
+        lease_timeout_s: a lease with no message for this long is revoked and its job requeued.
+        clock: monotonic time source (tests pass a fake one).
+    """
+
+    def __init__(self, *, lease_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+        if lease_timeout_s <= 0:
+            raise ValueError(f"lease_timeout_s must be > 0, got {lease_timeout_s}")
+        self.lease_timeout_s = lease_timeout_s
+        self._clock = clock
+        self._entries: dict[int, _Entry] = {}
+        self._pending: deque[int] = deque()
+        self._leases: dict[int, _LeaseState] = {}  # live leases by id
+        self._next_lease_id = 1
+        self._fenced: set[str] = set()
+        self._results: list[Result] = []
+        self._closed = False
+        self.stats = QueueStats()
+
+    # -- driver side --------------------------------------------------------------------------
+
+    def submit(self, jobs: Sequence[Job], assignees: Sequence[str] | None = None) -> None:
+        """Queue jobs (in order), optionally each for one worker only (the push baseline)."""
+        if assignees is not None and len(assignees) != len(jobs):
+            raise ValueError(f"{len(jobs)} jobs but {len(assignees)} assignees")
+        for i, job in enumerate(jobs):
+            if job.job_id in self._entries:
+                raise ValueError(f"job id {job.job_id} was already submitted")
+            self._entries[job.job_id] = _Entry(job, assignee=None if assignees is None else assignees[i])
+            self._pending.append(job.job_id)
+        self.stats.submitted += len(jobs)
+
+    def reassign(self, from_worker: str, to_workers: Sequence[str]) -> list[int]:
+        """Re-push the unfinished jobs assigned to `from_worker`, round robin over `to_workers`."""
+        moved = [e.job.job_id for e in self._entries.values() if e.assignee == from_worker and not e.done]
+        for i, job_id in enumerate(moved):
+            self._entries[job_id].assignee = to_workers[i % len(to_workers)]
+        return moved
+
+    def worker_lost(self, worker_id: str) -> list[int]:
+        """Fence a dead (or departed) worker and requeue its job from the last commit."""
+        self._fenced.add(worker_id)
+        lost = [ls for ls in self._leases.values() if ls.worker_id == worker_id]
+        for ls in lost:
+            self._end_lease(ls, revoked=True)
+        return [ls.job_id for ls in lost]
+
+    def expire(self) -> list[int]:
+        """Revoke leases whose worker went silent; their jobs resume elsewhere."""
+        now = self._clock()
+        late = [ls for ls in self._leases.values() if ls.deadline < now]
+        for ls in late:
+            logger.warning("lease %d of job %d (worker %s) timed out", ls.lease_id, ls.job_id, ls.worker_id)
+            self._end_lease(ls, revoked=True)
+        return [ls.job_id for ls in late]
+
+    def results(self, cursor: int = 0) -> list[Result]:
+        """Results from index `cursor` on, in completion order (re-reading is safe)."""
+        return self._results[cursor:]
+
+    def close(self) -> None:
+        """From now on every pull answers STOP."""
+        self._closed = True
+
+    def snapshot(self) -> dict:
+        """Counters, and the live leases as (job_id, worker_id, lease_id, committed step, progress)."""
+        leases = [
+            (ls.job_id, ls.worker_id, ls.lease_id, self._entries[ls.job_id].step, ls.progress)
+            for ls in self._leases.values()
+        ]
+        return {"stats": self.stats, "leases": leases, "pending": len(self._pending)}
+
+    # -- worker side --------------------------------------------------------------------------
+
+    def pull(self, worker_id: str, version: int = 0) -> Lease | str:
+        """A lease on the first pending job this worker may take, else WAIT or STOP.
+
+        A worker runs one job at a time: any lease it still holds is revoked first (it abandoned
+        that job), so a job can never be held twice by one worker.
+        """
+        if self._closed or worker_id in self._fenced:
+            return STOP
+        self.expire()
+        for ls in [ls for ls in self._leases.values() if ls.worker_id == worker_id]:
+            self._end_lease(ls, revoked=True)
+        for i, job_id in enumerate(self._pending):
+            e = self._entries[job_id]
+            if e.job.version == version and e.assignee in (None, worker_id):
+                del self._pending[i]
+                lease_id = self._next_lease_id
+                self._next_lease_id += 1
+                e.lease = _LeaseState(lease_id, job_id, worker_id, e.step, self._clock() + self.lease_timeout_s)
+                e.num_leases += 1
+                self._leases[lease_id] = e.lease
+                self.stats.leases += 1
+                return Lease(lease_id, e.job, e.step, e.latent_LC)
+        return WAIT
+
+    def progress(self, lease_id: int, step: int) -> str:
+        """The worker finished `step` steps: renew the lease."""
+        ls = self._live(lease_id)
+        if ls is None:
+            return STALE
+        self._advance(ls, step)
+        return ACCEPTED
+
+    def commit(self, lease_id: int, step: int, latent_LC: torch.Tensor, *, release: bool = False) -> str:
+        """Keep (step, latent) as the job's resume point; `release` also hands the job back (a notice).
+
+        Idempotent: a commit for a step not newer than the committed one is IGNORED.
+        """
+        ls = self._live(lease_id)
+        if ls is None:
+            return STALE
+        self._advance(ls, step)
+        e = self._entries[ls.job_id]
+        if step > e.step:
+            e.step, e.latent_LC = step, latent_LC
+            self.stats.commits += 1
+            ack = ACCEPTED
+        else:
+            self.stats.commits_ignored += 1
+            ack = IGNORED
+        if release:
+            self._end_lease(ls, revoked=False)
+        return ack
+
+    def complete(self, lease_id: int, step: int, latent_LC: torch.Tensor) -> str:
+        """The job's final latent (after `step` = N steps): delivered once, under its current lease only."""
+        ls = self._live(lease_id)
+        if ls is None:
+            self.stats.stale_results += 1
+            return STALE
+        self._advance(ls, step)
+        e = self._entries[ls.job_id]
+        assert not e.done, f"job {e.job.job_id} completed twice under lease {lease_id}"
+        del self._leases[lease_id]
+        e.lease, e.done = None, True
+        e.latent_LC = None  # the result holds it now
+        self._results.append(Result(e.job.job_id, latent_LC, ls.worker_id, e.num_leases))
+        self.stats.done += 1
+        return ACCEPTED
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _live(self, lease_id: int) -> _LeaseState | None:
+        ls = self._leases.get(lease_id)
+        if ls is None:
+            self.stats.stale_messages += 1
+        return ls
+
+    def _advance(self, ls: _LeaseState, step: int) -> None:
+        if step > ls.progress:
+            self.stats.steps_reported += step - ls.progress
+            ls.progress = step
+        ls.deadline = self._clock() + self.lease_timeout_s
+
+    def _end_lease(self, ls: _LeaseState, *, revoked: bool) -> None:
+        """Take a lease back; its job is pending again (first in line) from its last commit."""
+        del self._leases[ls.lease_id]
+        e = self._entries[ls.job_id]
+        e.lease = None
+        lost = max(0, ls.progress - e.step)
+        self.stats.recomputed_steps += lost
+        self.stats.max_recomputed_steps = max(self.stats.max_recomputed_steps, lost)
+        if revoked:
+            self.stats.revoked += 1
+        else:
+            self.stats.released += 1
+        self._pending.appendleft(ls.job_id)
+
+

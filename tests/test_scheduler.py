@@ -1,0 +1,506 @@
+"""The pull scheduler: the queue's lease logic (pure), then fault injection on a real local Ray cluster.
+
+Pure tests drive `JobQueue` with a fake clock, check that resuming a trajectory from a commit
+gives the uninterrupted bits, and cut trace windows. The Ray tests start one cluster per module
+(an on-demand head and two spot nodes on 127.0.0.1, one with a 4x slower step) and one worker
+pool with the tiny real model; each test runs a fresh queue on it and kills what it needs: a worker
+(`ray.kill`), a worker right after it sent a commit (`os._exit`), a whole node (SIGKILL), or warns
+a worker first (a notice). Each asserts that every job was delivered exactly once and that its
+final latent equals, bit for bit, the same (prompt, seed) sampled without interruption.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Bind every Ray process to 127.0.0.1; read when `ray` is first imported (design.md §4).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import logging
+import sys
+import time
+
+import pytest
+import torch
+
+from spot.jobqueue import ACCEPTED, IGNORED, STALE, STOP, WAIT, Job, JobQueue
+from spot.replay import busiest_window, window
+from spot.scheduler import (
+    DenoiseSpec,
+    DenoiseWorker,
+    PullScheduler,
+    PushScheduler,
+    WorkerPool,
+    denoise_step,
+    sample_uninterrupted,
+)
+from spot.traces import Trace
+
+PROMPTS = ["a red circle", "two blue squares", "a green triangle"]
+
+
+def make_jobs(n: int, first_id: int = 0) -> list[Job]:
+    return [Job(i, PROMPTS[i % len(PROMPTS)], seed=1000 + i) for i in range(first_id, first_id + n)]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def latent(step: int) -> torch.Tensor:
+    return torch.full((4, 3), float(step))
+
+
+# -- the queue, without Ray ---------------------------------------------------------------------
+
+
+def test_queue_hands_each_job_out_once_and_delivers_each_result_once():
+    q = JobQueue()
+    q.submit(make_jobs(3))
+    leases = [q.pull("a"), q.pull("b"), q.pull("c")]
+    assert [ls.job.job_id for ls in leases] == [0, 1, 2]
+    assert len({ls.lease_id for ls in leases}) == 3
+    assert q.pull("d") == WAIT
+    for ls in leases:
+        assert ls.step == 0 and ls.latent_LC is None
+        assert q.complete(ls.lease_id, 10, latent(10)) == ACCEPTED
+        assert q.complete(ls.lease_id, 10, latent(10)) == STALE  # a retried result is not delivered twice
+    assert [r.job_id for r in q.results()] == [0, 1, 2]
+    assert [r.job_id for r in q.results(2)] == [2]
+    assert q.stats.done == 3 and q.stats.stale_results == 3
+    q.close()
+    assert q.pull("a") == STOP
+
+
+def test_commits_are_idempotent_and_never_move_a_job_back():
+    q = JobQueue()
+    q.submit(make_jobs(1))
+    ls = q.pull("a")
+    assert q.commit(ls.lease_id, 4, latent(4)) == ACCEPTED
+    assert q.commit(ls.lease_id, 4, latent(99)) == IGNORED  # the same commit again
+    assert q.commit(ls.lease_id, 2, latent(2)) == IGNORED  # an older one, late
+    q.worker_lost("a")
+    resumed = q.pull("b")
+    assert resumed.step == 4 and torch.equal(resumed.latent_LC, latent(4))
+
+
+def test_a_lost_worker_is_fenced_and_its_late_messages_are_dropped():
+    q = JobQueue()
+    q.submit(make_jobs(1))
+    old = q.pull("a")
+    q.commit(old.lease_id, 4, latent(4))
+    q.progress(old.lease_id, 6)  # two steps past the commit, then the worker dies
+    assert q.worker_lost("a") == [0]
+    assert q.pull("a") == STOP  # fenced: a worker declared dead that was only slow takes nothing more
+    new = q.pull("b")
+    assert new.lease_id != old.lease_id and new.step == 4
+    assert q.commit(old.lease_id, 8, latent(8)) == STALE
+    assert q.progress(old.lease_id, 9) == STALE
+    assert q.complete(old.lease_id, 10, latent(10)) == STALE
+    assert q.complete(new.lease_id, 10, latent(10)) == ACCEPTED
+    (result,) = q.results()
+    assert result.worker_id == "b" and result.num_leases == 2
+    s = q.stats
+    assert (s.revoked, s.recomputed_steps, s.max_recomputed_steps, s.stale_results) == (1, 2, 2, 1)
+    assert s.stale_messages == 3
+
+
+def test_a_silent_worker_loses_its_lease_after_the_timeout():
+    clock = FakeClock()
+    q = JobQueue(lease_timeout_s=5.0, clock=clock)
+    q.submit(make_jobs(1))
+    ls = q.pull("a")
+    clock.now = 4.0
+    assert q.progress(ls.lease_id, 1) == ACCEPTED  # renews until 9 s
+    clock.now = 8.0
+    assert q.pull("b") == WAIT
+    clock.now = 9.5
+    new = q.pull("b")  # expired on the way
+    assert new.job.job_id == 0 and new.step == 0
+    assert q.commit(ls.lease_id, 4, latent(4)) == STALE  # it was only slow: its commit comes too late
+    assert q.stats.revoked == 1 and q.stats.recomputed_steps == 1
+    # Not fenced: a slow worker may take new work.
+    q.submit(make_jobs(1, first_id=1))
+    assert q.pull("a").job.job_id == 1
+
+
+def test_a_notice_commits_and_hands_back_with_nothing_to_recompute():
+    q = JobQueue()
+    q.submit(make_jobs(2))
+    ls = q.pull("a")
+    q.commit(ls.lease_id, 4, latent(4))
+    q.progress(ls.lease_id, 5)
+    assert q.commit(ls.lease_id, 5, latent(5), release=True) == ACCEPTED
+    resumed = q.pull("b")  # first in line again, ahead of job 1
+    assert resumed.job.job_id == 0 and resumed.step == 5 and torch.equal(resumed.latent_LC, latent(5))
+    assert q.stats.released == 1 and q.stats.recomputed_steps == 0
+
+
+def test_a_worker_pulling_again_gives_up_the_job_it_held():
+    q = JobQueue()
+    q.submit(make_jobs(1))
+    first = q.pull("a")
+    again = q.pull("a")
+    assert again.job.job_id == 0 and again.lease_id != first.lease_id
+    assert q.commit(first.lease_id, 2, latent(2)) == STALE
+
+
+def test_push_assignment_and_repush():
+    q = JobQueue()
+    jobs = make_jobs(4)
+    q.submit(jobs, assignees=["a", "b", "a", "b"])
+    assert q.pull("c") == WAIT  # pushed jobs are not up for grabs
+    ls = q.pull("a")
+    assert ls.job.job_id == 0
+    q.commit(ls.lease_id, 3, latent(3))
+    q.worker_lost("a")
+    assert sorted(q.reassign("a", ["b", "c"])) == [0, 2]
+    assert q.pull("c").job.job_id == 2
+    resumed = q.pull("b")  # job 0, first in line again, from its commit
+    assert resumed.job.job_id == 0 and resumed.step == 3
+    with pytest.raises(ValueError, match="already submitted"):
+        q.submit(make_jobs(1))
+
+
+# -- resuming a trajectory, without Ray -----------------------------------------------------------
+
+
+def test_resume_from_a_commit_gives_the_uninterrupted_bits(tiny_policy):
+    from spotlight.rollout import encode
+    from spotlight.sampling import qwen_image_sigmas
+
+    spec = DenoiseSpec(num_steps=6, noise_level=0.7)
+    job = make_jobs(1)[0]
+    batch = encode(tiny_policy, [job.prompt], spec.guidance_scale, spec.negative_prompt)
+    sigmas = qwen_image_sigmas(spec.num_steps, tiny_policy.latent_shape[0])
+    x = None
+    for k in range(4):  # a worker runs 4 steps and commits
+        x = denoise_step(tiny_policy, batch, sigmas, spec, job.seed, k, x)
+    committed = x.clone()
+    for k in range(4, 6):  # another worker resumes from the commit
+        committed = denoise_step(tiny_policy, batch, sigmas, spec, job.seed, k, committed)
+    assert torch.equal(committed, sample_uninterrupted(tiny_policy, job, spec))
+
+
+# -- fitting traces to the cluster ---------------------------------------------------------------
+
+
+def test_window_starts_with_the_nodes_alive_then():
+    trace = Trace.from_counts([0, 10, 20, 30], [3, 1, 2, 0], duration_s=40, source="t", format="rescaled")
+    w = window(trace, 15, 20)
+    assert w.availability() == [(0.0, 1), (5.0, 2), (15.0, 0)]
+    assert w.duration_s == 20 and w.num_preemptions == 2
+    # Two preemptions at 10 s and two at 30 s: the earlier wins, starting a tenth of 12 s ahead.
+    assert busiest_window(trace, 12) == pytest.approx(8.8)
+
+
+# -- on a real local Ray cluster -------------------------------------------------------------------
+
+NUM_STEPS, COMMIT_EVERY = 8, 3
+SPEC = DenoiseSpec(num_steps=NUM_STEPS, noise_level=0.7)
+STEP_S = {"fast": 0.03, "slow": 0.12}
+"""Per-step wall time of the worker on each node: the slow one is 4x slower."""
+
+
+class FaultyWorker(DenoiseWorker):
+    """A DenoiseWorker that, once armed, dies (os._exit) right after sending its next commit."""
+
+    _armed = False
+
+    def arm_crash_after_commit(self) -> None:
+        self._armed = True
+
+    def _commit(self, queue, lease, step, latent_LC):
+        if not self._armed:
+            return super()._commit(queue, lease, step, latent_LC)
+        queue.commit.remote(lease.lease_id, step, latent_LC)  # issued, not awaited
+        os._exit(1)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from spot.replay import ReplayCluster
+
+    c = ReplayCluster()
+    try:
+        c.add_node("fast")
+        c.add_node("slow")
+        import ray
+        from ray import cloudpickle
+
+        # The test module is not importable on the workers: ship FaultyWorker by value.
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        ray.init(address=c.address, logging_level=logging.WARNING, log_to_driver=False)
+        yield c
+    finally:
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_cfg(tiny_model_dir):
+    from spotlight.config import ModelConfig
+
+    return ModelConfig(path=str(tiny_model_dir), height=32, width=32, max_text_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def imds():
+    """A fake instance-metadata endpoint per node name, made on first use."""
+    from spot.fake_imds import FakeIMDS
+
+    servers: dict[str, FakeIMDS] = {}
+
+    def get(name: str) -> FakeIMDS:
+        if name not in servers:
+            servers[name] = FakeIMDS().start()
+        return servers[name]
+
+    try:
+        yield get
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def pool(cluster, model_cfg, imds):
+    from spot.replay import NODE_LABEL
+
+    def node_kwargs(node: dict) -> dict:
+        name = node["Labels"][NODE_LABEL]
+        return {"step_s": STEP_S[name.split("-")[0]], "imds_endpoint": imds(name).url}
+
+    p = WorkerPool(
+        model_cfg,
+        SPEC,
+        worker_kwargs={"commit_every": COMMIT_EVERY, "poll_s": 0.02, "imds_poll_s": 0.1},
+        node_kwargs=node_kwargs,
+        worker_cls=FaultyWorker,
+    )
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model_cfg):
+    """Uninterrupted final latents, by job id (computed on demand, single-threaded like the workers)."""
+    from spotlight.policy import load_policy
+
+    policy = load_policy(model_cfg, trainable=False)
+    cache: dict[int, torch.Tensor] = {}
+
+    def get(job: Job) -> torch.Tensor:
+        if job.job_id not in cache:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                cache[job.job_id] = sample_uninterrupted(policy, job, SPEC)
+            finally:
+                torch.set_num_threads(threads)
+        return cache[job.job_id]
+
+    return get
+
+
+def ready_pool(pool, n: int = 2):
+    pool.wait_ready(n, timeout_s=120)
+    return pool
+
+
+def check_exactly_once(report, jobs, reference):
+    assert report.lost == 0 and report.duplicated == 0
+    assert sorted(r.job_id for r in report.results) == [j.job_id for j in jobs]
+    by_id = {j.job_id: j for j in jobs}
+    for r in report.results:
+        assert torch.equal(r.latent_LC, reference(by_id[r.job_id])), f"job {r.job_id} differs from the uninterrupted run"
+
+
+def run_until(sched, cond, timeout_s: float = 30.0):
+    """Tick the scheduler until cond(snapshot) returns a value; return it."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sched.tick()
+        hit = cond(ray.get(sched.queue.snapshot.remote()))
+        if hit:
+            return hit
+        time.sleep(0.01)
+    raise TimeoutError("condition not reached")
+
+
+def slow_worker(cluster, pool) -> str:
+    """The ready worker on the slow node: the victim, so that the test outruns its next step."""
+    (worker,) = [w for w in pool.ready() if node_name(cluster, pool, w).startswith("slow")]
+    return worker
+
+
+def node_name(cluster, pool, worker_id: str) -> str:
+    return next(n for n in cluster.node_names() if cluster.node_id(n) == pool.node_of(worker_id))
+
+
+def past_a_commit(worker_id: str):
+    """Condition: `worker_id` holds a job with a commit and is past it; gives (job, committed step)."""
+
+    def cond(snapshot):
+        for job_id, w, _lease, committed, progress in snapshot["leases"]:
+            if w == worker_id and committed >= COMMIT_EVERY and progress > committed:
+                return job_id, committed
+        return None
+
+    return cond
+
+
+def test_pull_delivers_every_job_once_with_the_uninterrupted_bits(pool, reference):
+    sched = PullScheduler(ready_pool(pool))
+    jobs = make_jobs(8)
+    sched.submit(jobs)
+    report = sched.run(timeout_s=60)
+    sched.close()
+    check_exactly_once(report, jobs, reference)
+    s = report.stats
+    assert s.leases == 8 and s.revoked == 0 and s.recomputed_steps == 0
+    assert s.commits == 8 * ((NUM_STEPS - 1) // COMMIT_EVERY)
+    assert {r.worker_id for r in report.results} == set(pool.ready())  # both worked
+
+
+def test_pull_beats_push_with_a_slow_worker(pool):
+    times = {}
+    for cls in (PullScheduler, PushScheduler):
+        sched = cls(ready_pool(pool))
+        sched.submit(make_jobs(8, first_id=100))
+        report = sched.run(timeout_s=60)
+        sched.close()
+        assert report.lost == 0 and report.duplicated == 0
+        times[cls.__name__] = report.wall_s
+    # Push gives the 4x slower worker half the jobs; pull lets the fast one take most.
+    assert times["PullScheduler"] < 0.85 * times["PushScheduler"], times
+
+
+def test_a_worker_killed_mid_job_is_resumed_from_its_last_commit(cluster, pool, reference):
+    import ray
+
+    sched = PullScheduler(ready_pool(pool))
+    victim = slow_worker(cluster, pool)
+    jobs = make_jobs(6, first_id=200)
+    sched.submit(jobs)
+    job_id, _ = run_until(sched, past_a_commit(victim))
+    ray.kill(pool.actor(victim), no_restart=True)
+    report = sched.run(timeout_s=60)
+    sched.close()
+    check_exactly_once(report, jobs, reference)
+    assert "died" in [ev for _, w, ev in report.events if w == victim]
+    s = report.stats
+    assert s.revoked == 1 and 1 <= s.recomputed_steps <= COMMIT_EVERY
+    assert next(r for r in report.results if r.job_id == job_id).num_leases == 2
+
+
+def test_push_repushes_a_dead_workers_jobs(cluster, pool, reference):
+    import ray
+
+    sched = PushScheduler(ready_pool(pool))
+    victim = slow_worker(cluster, pool)
+    jobs = make_jobs(6, first_id=300)
+    ready = pool.ready()
+    pushed_to_victim = [j.job_id for i, j in enumerate(jobs) if ready[i % len(ready)] == victim]
+    sched.submit(jobs)
+    run_until(sched, past_a_commit(victim))
+    ray.kill(pool.actor(victim), no_restart=True)
+    report = sched.run(timeout_s=60)
+    sched.close()
+    check_exactly_once(report, jobs, reference)
+    assert report.stats.revoked == 1
+    # Round robin gave the victim 3 jobs; it was killed in its first, so all three were re-pushed to
+    # the one other worker ready then (the victim's replacement was still loading).
+    assert sorted(sched.repushed) == pushed_to_victim and len(pushed_to_victim) == 3
+    assert victim not in {r.worker_id for r in report.results}
+
+
+def test_a_worker_killed_right_after_sending_a_commit_leaves_the_queue_consistent(cluster, pool, reference):
+    import ray
+
+    sched = PullScheduler(ready_pool(pool))
+    victim = slow_worker(cluster, pool)
+    jobs = make_jobs(6, first_id=400)
+    sched.submit(jobs)
+    run_until(sched, lambda snap: any(w == victim and p >= 1 for _, w, _, _, p in snap["leases"]))
+    ray.get(pool.actor(victim).arm_crash_after_commit.remote())
+    report = sched.run(timeout_s=60)
+    sched.close()
+    check_exactly_once(report, jobs, reference)
+    assert [w for _, w, ev in report.events if ev == "died"] == [victim]
+    assert report.stats.revoked == 1
+
+
+def test_a_notice_commits_at_once_and_nothing_is_recomputed(cluster, pool, imds, reference):
+    from ray._raylet import GcsClient
+
+    sched = PullScheduler(ready_pool(pool))
+    victim = slow_worker(cluster, pool)
+    node = node_name(cluster, pool, victim)
+    jobs = make_jobs(6, first_id=500)
+    sched.submit(jobs)
+    job_id, _ = run_until(sched, past_a_commit(victim))
+    imds(node).schedule_interruption(lead_s=60)  # the node's metadata endpoint announces the reclaim
+    # Its worker's watcher sees it, commits its last step, hands the job back, stops pulling and
+    # drains the node; then the node goes.
+    run_until(sched, lambda _: (victim, "left") in [(w, ev) for _, w, ev in pool.events])
+    assert pool.node_of(victim) in GcsClient(address=cluster.cluster.gcs_address).get_draining_nodes()
+    cluster.remove_node(node)  # the reclaim the notice announced
+    report = sched.run(timeout_s=60)
+    sched.close()
+    check_exactly_once(report, jobs, reference)
+    s = report.stats
+    assert s.released == 1 and s.revoked == 0 and s.recomputed_steps == 0
+    assert next(r for r in report.results if r.job_id == job_id).num_leases == 2
+    assert "left" in [ev for _, w, ev in report.events if w == victim]
+    cluster.add_node(f"{node.split('-')[0]}-2")  # capacity comes back under a new node
+
+
+def test_a_node_removed_without_notice_loses_at_most_the_commit_interval(cluster, pool, reference):
+    sched = PullScheduler(ready_pool(pool))
+    victim = slow_worker(cluster, pool)
+    jobs = make_jobs(6, first_id=600)
+    sched.submit(jobs)
+    job_id, _ = run_until(sched, past_a_commit(victim))
+    node = node_name(cluster, pool, victim)
+    cluster.remove_node(node)
+    report = sched.run(timeout_s=60)
+    sched.close()
+    check_exactly_once(report, jobs, reference)
+    s = report.stats
+    assert s.revoked == 1 and 1 <= s.recomputed_steps <= COMMIT_EVERY
+    assert next(r for r in report.results if r.job_id == job_id).num_leases == 2
+
+
+def test_the_replayer_adds_warns_and_preempts_on_the_trace_clock(cluster):
+    import ray
+
+    from spot.metadata import MetadataWatcher
+    from spot.replay import NODE_LABEL, TraceReplayer
+    from spot.traces import TraceEvent
+
+    trace = Trace((TraceEvent(0.0, "r-0", "add"), TraceEvent(1.5, "r-0", "preempt")), 2.0, "test", "synthetic")
+    replayer = TraceReplayer(cluster, trace.with_notices(1.0), fake_imds=True)
+    try:
+        assert replayer.add_initial() == ["r-0"]
+        node_id = cluster.node_id("r-0")
+        (node,) = [n for n in ray.nodes() if n["NodeID"] == node_id]
+        assert node["Alive"] and node["Labels"][NODE_LABEL] == "r-0"
+        notices = []
+        watcher = MetadataWatcher(replayer.imds_url("r-0"), poll_interval_s=0.1, callbacks=(notices.append,))
+        with watcher:
+            replayer.run()
+        assert [(e.kind, e.t_s) for e in replayer.applied] == [("add", 0.0), ("notice", 0.5), ("preempt", 1.5)]
+        assert all(e.at_s - e.t_s < 0.5 for e in replayer.applied)
+        assert replayer.num_preemptions == 1 and "r-0" not in cluster.node_names()
+        (notice,) = notices  # the node's endpoint announced the preemption, about 1 s ahead
+        assert notice.kind == "interruption" and 0.5 < notice.seconds_left(notice.received_at) <= 1.05
+    finally:
+        replayer.remove_all()
