@@ -30,32 +30,18 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 from spot.fake_imds import FakeIMDS
+from spot.localray import ON_DEMAND, SPOT, import_ray_on_loopback
 from spot.traces import Trace
 
 logger = logging.getLogger(__name__)
 
-SPOT, ON_DEMAND = "spot", "on_demand"
 NODE_LABEL = "spot-trace-node"
 """Label carrying a spot node's name in the trace."""
-_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-def import_ray_on_loopback():
-    """`import ray` so that every node binds to 127.0.0.1 (the variable is read at ray's import)."""
-    already = "ray" in sys.modules
-    os.environ[_LOOPBACK_ENV] = "0"
-    import ray
-    from ray._private import ray_constants
-
-    if already and ray_constants.ENABLE_RAY_CLUSTER:
-        logger.warning("ray was imported before %s=0 was set; nodes may bind to the outward address", _LOOPBACK_ENV)
-    return ray
 
 
 class ReplayCluster:

@@ -49,11 +49,9 @@ from typing import Any
 import torch
 
 from spot.jobqueue import ACCEPTED, STALE, STOP, WAIT, Job, JobQueue, Lease, QueueStats, Result
+from spot.localray import SPOT
 
 logger = logging.getLogger(__name__)
-
-SPOT = "spot"
-"""Custom resource carried by spot nodes; workers need one unit."""
 
 
 # -- the denoising core (pure functions of the policy) -------------------------------------------

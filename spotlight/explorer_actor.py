@@ -24,8 +24,6 @@ joining a user's cluster (`explore.ray_address`), whose nodes must reach each ot
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,26 +31,13 @@ from typing import Any
 
 import torch
 
+from spot.localray import ON_DEMAND, SPOT, import_ray_on_loopback
 from spotlight.config import DiTRecipe
 from spotlight.explore import ExploreJob, ExploreResult
 
 logger = logging.getLogger(__name__)
 
-SPOT, ON_DEMAND = "spot", "on_demand"
-_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _MAX_FAILED_STARTS = 3
-
-
-def _import_ray_for_loopback():
-    """`import ray` with every node bound to 127.0.0.1 (the variable is read at ray's import)."""
-    already = "ray" in sys.modules
-    os.environ[_LOOPBACK_ENV] = "0"
-    import ray
-    from ray._private import ray_constants
-
-    if already and ray_constants.ENABLE_RAY_CLUSTER:
-        logger.warning("ray was imported before %s=0 was set; the local cluster may bind to the outward address", _LOOPBACK_ENV)
-    return ray
 
 
 class LocalCluster:
@@ -64,7 +49,7 @@ class LocalCluster:
     """
 
     def __init__(self, num_spot_nodes: int, *, head_cpus: int = 1):
-        ray = _import_ray_for_loopback()
+        ray = import_ray_on_loopback()
         from ray.cluster_utils import Cluster
 
         common = {"node_ip_address": "127.0.0.1"}
