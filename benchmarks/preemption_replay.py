@@ -13,7 +13,8 @@ Workers are heterogeneous: trace node `node-K` runs at speed `speeds[K % len(spe
 alone; the tiny model's real step (~6 ms on one core) fits inside it.
 
 The same jobs (the shipped tiny model, `--steps` steps each, prompts from the shapes grammar) run
-twice on the same replay, one after the other: under `PullScheduler` and under the push baseline
+twice on the same replay, one after the other (`--repeats R`: R such pairs, alternating which
+scheduler goes first): under `PullScheduler` and under the push baseline
 `PushScheduler` (round robin up front to the workers ready at the start, a lost worker's jobs
 re-pushed round robin to the workers ready then, resuming from their last commit like pull; see
 spot/scheduler.py). Each run starts once the trace's initial nodes have loaded their workers; the
@@ -21,15 +22,16 @@ trace clock and the job stream start together; the run ends when every job has a
 window the cluster stays as the trace left it).
 
 Reported (one JSON line with --json):
-    jobs, preemptions        jobs per run; preemptions replayed during the pull run
+    jobs, preemptions        jobs per run; preemptions replayed during the pull runs
     lost, duplicated         jobs without a result / results delivered twice, both runs summed
     recomputed_steps_per_preemption   pull run: steps finished after a job's last commit and lost
                              with its worker (queue accounting), over the preemptions replayed
     max_recomputed_steps     the most steps one interrupted job lost (goal: <= commit_every)
-    throughput_ratio_pull_vs_push     jobs/s under pull over jobs/s under push
+    throughput_ratio_pull_vs_push     jobs/s under pull over jobs/s under push (over all repeats:
+                             total jobs over total wall time); ratio_per_repeat: each pair's ratio
     bit_exact                every final latent of both runs equals the uninterrupted sampling of
                              its (prompt, seed)
-    pull, push               per-run details
+    pull, push               per-scheduler details, summed over repeats
 
     .venv/bin/python benchmarks/preemption_replay.py --trace traces/parcae-p3-aws.csv --json
     .venv/bin/python benchmarks/preemption_replay.py --trace traces/parcae-p3-aws.csv --notice-s 120 --json
@@ -64,6 +66,7 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=0, help="jobs per run; 0: about what pull finishes in the window")
     p.add_argument("--timeout-s", type=float, default=600.0, help="give up a run after this long")
     p.add_argument("--seed", type=int, default=0, help="seed of the jobs (and of the synthetic trace)")
+    p.add_argument("--repeats", type=int, default=1, help="pull/push run pairs, alternating which goes first")
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     args = p.parse_args()
 
@@ -148,14 +151,19 @@ def run(trace, speeds: list[float], num_jobs: int, args) -> dict:
         import ray
 
         ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
-        runs = {}
-        for name, cls in (("pull", PullScheduler), ("push", PushScheduler)):
-            runs[name] = one_run(cluster, trace, cls, model, spec, jobs, speeds, args, NODE_LABEL, TraceReplayer)
-            logging.info("%s: %s", name, {k: v for k, v in runs[name].items() if k != "latents"})
+        runs: dict[str, list[dict]] = {"pull": [], "push": []}
+        schedulers = {"pull": PullScheduler, "push": PushScheduler}
+        for rep in range(args.repeats):
+            # Alternate the order so that drift of a shared, noisy machine hits both schedulers alike.
+            for name in ("pull", "push") if rep % 2 == 0 else ("push", "pull"):
+                one = one_run(cluster, trace, schedulers[name], model, spec, jobs, speeds, args, NODE_LABEL, TraceReplayer)
+                runs[name].append(one)
+                logging.info("%s #%d: %s", name, rep, {k: v for k, v in one.items() if k != "latents"})
     finally:
         cluster.shutdown()
-    bit_exact = check_bits(model, spec, jobs, [runs["pull"].pop("latents"), runs["push"].pop("latents")])
-    pull, push = runs["pull"], runs["push"]
+    bit_exact = check_bits(model, spec, jobs, [r.pop("latents") for name in runs for r in runs[name]])
+    pull, push = _combined(runs["pull"]), _combined(runs["push"])
+    ratios = [round(a["jobs_per_s"] / b["jobs_per_s"], 3) for a, b in zip(runs["pull"], runs["push"])]
     return {
         "trace": "synthetic" if args.synthetic else args.trace.name,
         "window_s": [args.window_start_s, args.window_start_s + args.window_s],
@@ -164,6 +172,7 @@ def run(trace, speeds: list[float], num_jobs: int, args) -> dict:
         "nodes": args.nodes,
         "speeds": speeds,
         "jobs": num_jobs,
+        "repeats": args.repeats,
         "steps": args.steps,
         "commit_every": args.commit_every,
         "preemptions": pull["preemptions"],
@@ -172,6 +181,7 @@ def run(trace, speeds: list[float], num_jobs: int, args) -> dict:
         "recomputed_steps_per_preemption": pull["recomputed_steps"] / max(1, pull["preemptions"]),
         "max_recomputed_steps": max(pull["max_recomputed_steps"], push["max_recomputed_steps"]),
         "throughput_ratio_pull_vs_push": round(pull["jobs_per_s"] / push["jobs_per_s"], 3),
+        "ratio_per_repeat": ratios,
         "bit_exact": bit_exact,
         "pull": pull,
         "push": push,
@@ -244,6 +254,18 @@ def one_run(cluster, trace, cls, model, spec, jobs, speeds, args, label, replaye
         if pool is not None:
             pool.close()
         replayer.remove_all()
+
+
+def _combined(runs: list[dict]) -> dict:
+    """One scheduler's runs summed (jobs/s over all of them: total jobs over total wall time)."""
+    if len(runs) == 1:
+        return runs[0]
+    out = {k: sum(r[k] for r in runs) for k in runs[0] if k not in ("jobs_per_s", "max_recomputed_steps", "max_event_delay_s")}
+    out["jobs_per_s"] = round(sum(r["jobs_per_s"] * r["wall_s"] for r in runs) / out["wall_s"], 3)
+    out["max_recomputed_steps"] = max(r["max_recomputed_steps"] for r in runs)
+    out["max_event_delay_s"] = max(r["max_event_delay_s"] for r in runs)
+    out["wall_s"] = round(out["wall_s"], 2)
+    return out
 
 
 def check_bits(model, spec, jobs, latents_by_run: list[dict]) -> bool:

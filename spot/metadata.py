@@ -358,3 +358,49 @@ def drain_node_on_notice(
         raise RuntimeError(f"Ray refused to drain node {node_id}: {rejection}")
     logger.info("requested a Ray drain of node %s (preemption, deadline %s)", node_id, notice.deadline)
     return True
+
+
+def build_parser():
+    """The command line of `python -m spot.metadata` (see `main`)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m spot.metadata", description="Watch IMDSv2 for spot notices; drain this Ray node on one.")
+    p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="metadata service base URL")
+    p.add_argument("--poll-s", type=float, default=2.0, help="seconds between polls")
+    p.add_argument("--address", default="auto", help="Ray cluster address to attach to (for the drain)")
+    p.add_argument("--no-drain", action="store_true", help="log notices only; do not attach to Ray")
+    p.add_argument("--max-notices", type=int, default=0, help="exit after this many notices (0: never)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m spot.metadata`: run the watcher on this node until killed (the cluster file's way).
+
+    With Ray (`--address`), each interruption notice drains this node with reason preemption and
+    the notice's deadline; with `--no-drain`, notices are only logged. `--max-notices N` exits after
+    N notices (for tests and one-shot checks).
+    """
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    notices: list[Notice] = []
+    done = threading.Event()
+    callbacks: list[Callable[[Notice], object]] = []
+    if not args.no_drain:
+        import ray
+
+        ray.init(address=args.address, logging_level=logging.WARNING, log_to_driver=False)
+        callbacks.append(drain_node_on_notice)
+
+    def count(notice: Notice) -> None:
+        notices.append(notice)
+        if args.max_notices and len(notices) >= args.max_notices:
+            done.set()
+
+    with MetadataWatcher(args.endpoint, poll_interval_s=args.poll_s, callbacks=(*callbacks, count)):
+        done.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

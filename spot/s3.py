@@ -125,7 +125,7 @@ _LOGGERS_THAT_PRINT_HEADERS = ("botocore.endpoint", "botocore.auth", "botocore.a
                                "botocore.retryhandler", "urllib3.connectionpool")
 
 
-def _install_log_redaction() -> None:
+def install_log_redaction() -> None:
     names = set(_LOGGERS_THAT_PRINT_HEADERS)
     names.update(n for n in logging.root.manager.loggerDict
                  if n.split(".")[0] in ("botocore", "boto3", "s3transfer", "urllib3"))
@@ -211,7 +211,7 @@ class S3Store(Store):
             num_download_attempts=opts.request_attempts,
             preferred_transfer_client="classic",  # the CRT client ignores part of this config
         )
-        _install_log_redaction()
+        install_log_redaction()
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r}, endpoint_url={self.options.endpoint_url!r})"

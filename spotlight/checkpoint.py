@@ -206,15 +206,16 @@ def _to_json(value: Any, what: str) -> str:
         raise ValueError(f"{what} must be JSON-serializable (numbers, str, list, dict): {e}") from e
 
 
-def _step_of(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
+    """The step of a step dir named `step-<N>`, else None."""
     match = _STEP_DIR_RE.fullmatch(path.name)
     return int(match.group(1)) if match else None
 
 
 def _complete_step_dirs(ckpt_dir: Path) -> list[Path]:
     """Step dirs that have a manifest, sorted by step."""
-    dirs = [p for p in ckpt_dir.iterdir() if _step_of(p) is not None]
-    return sorted((p for p in dirs if (p / "manifest.json").is_file()), key=_step_of)
+    dirs = [p for p in ckpt_dir.iterdir() if step_of(p) is not None]
+    return sorted((p for p in dirs if (p / "manifest.json").is_file()), key=step_of)
 
 
 def _remove(path: Path) -> None:
@@ -301,22 +302,28 @@ def save_checkpoint(
         os.replace(tmp, final)
     fsync_path(ckpt_dir)
 
-    latest_tmp = ckpt_dir / f"{_TMP_PREFIX}latest-{uuid.uuid4().hex[:8]}"
-    _write_text(latest_tmp, final.name + "\n")
-    os.replace(latest_tmp, ckpt_dir / "latest")
-    fsync_path(ckpt_dir)
+    set_latest(final)
 
     older = []
     for p in ckpt_dir.iterdir():
-        s = _step_of(p)
+        s = step_of(p)
         if s is not None and s > step:
             logger.info("removing %s: newer than the checkpoint just saved at step %d", p, step)
             _remove(p)
         elif s is not None and s < step:
             older.append(p)
-    for p in sorted(older, key=_step_of)[: max(0, len(older) - (keep_last - 1))]:
+    for p in sorted(older, key=step_of)[: max(0, len(older) - (keep_last - 1))]:
         _remove(p)
     return final
+
+
+def set_latest(step_dir: Path) -> None:
+    """Point `checkpoints/latest` at `step_dir` (a complete step dir in that folder), atomically."""
+    ckpt_dir = step_dir.parent
+    latest_tmp = ckpt_dir / f"{_TMP_PREFIX}latest-{uuid.uuid4().hex[:8]}"
+    _write_text(latest_tmp, step_dir.name + "\n")
+    os.replace(latest_tmp, ckpt_dir / "latest")
+    fsync_path(ckpt_dir)
 
 
 def find_latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
@@ -340,7 +347,7 @@ def find_latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 def _resolve_step_dir(path: Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    if _step_of(path) is not None or (path / "manifest.json").exists():
+    if step_of(path) is not None or (path / "manifest.json").exists():
         return path
     is_ckpt_dir = path.name == "checkpoints" and not (path / "checkpoints").is_dir()
     run_dir = path.parent if is_ckpt_dir else path

@@ -1,7 +1,7 @@
-"""The `spotlight` command: train, eval, sample, pretrain, config.
+"""The `spotlight` command: train, eval, sample, pretrain, config, cost.
 
-Every subcommand takes an optional recipe (a YAML file; none = the embedded tiny-shapes default)
-followed by dotted overrides such as `train.lr=3e-4`.
+Every subcommand but `cost` takes an optional recipe (a YAML file; none = the embedded tiny-shapes
+default) followed by dotted overrides such as `train.lr=3e-4`; `cost` reads a run directory.
 """
 
 from __future__ import annotations
@@ -144,6 +144,35 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cost(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from spot.cost import read_ledger, summarize
+
+    if args.items:
+        raise ValueError(f"cost takes a run directory and no overrides, got {' '.join(args.items)}")
+    s = summarize(read_ledger(args.run_dir))
+    if args.json:
+        print(json.dumps({"run_dir": args.run_dir, **s}))
+        return 0
+    table = Table(title=f"spotlight cost: {args.run_dir}", caption=f"{s['first']} .. {s['last']} (UTC)")
+    for name in ("pool", "GPU-seconds", "GPU-hours", "price source", "USD"):
+        table.add_column(name, justify="left" if name in ("pool", "price source") else "right")
+
+    def row(name: str, gpu_s: float | None, source: str, usd: float, **kw) -> None:
+        hours = ("", "") if gpu_s is None else (f"{gpu_s:,.0f}", f"{gpu_s / 3600:,.3f}")
+        table.add_row(name, *hours, source, f"{usd:,.2f}", **kw)
+
+    for name, p in s["pools"].items():
+        row(name, p["gpu_s"], p["source"], p["usd"])
+    row("total", s["gpu_s_total"], "", s["usd_total"], end_section=True)
+    row("on-demand only", s["gpu_s_total"], "every GPU-second at the on-demand price", s["usd_on_demand_only"])
+    row("saved", None, f"{s['saved_fraction']:.1%} of on-demand only", s["usd_saved"])
+    Console().print(table)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spotlight", description="RL post-training of generative models on spot GPUs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -178,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("config", "Print the resolved recipe as YAML (or every field with --describe).", cmd_config)
     p.add_argument("--describe", action="store_true", help="list every field with its type, default and doc")
+
+    help_text = "Print a run's GPU cost per pool (on-demand, spot), its total and the saving over on-demand only."
+    p = sub.add_parser("cost", help=help_text, description=help_text)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (its cost.json)")
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.set_defaults(fn=cmd_cost, items=[], loads_models=False)
     return parser
 
 
@@ -189,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.items += extra
-    _quiet_libraries()
+    if getattr(args, "loads_models", True):
+        _quiet_libraries()
     try:
         return args.fn(args)
     except ValueError as err:  # user mistakes: bad recipe, path, prompt file, checkpoint

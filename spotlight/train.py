@@ -7,6 +7,9 @@ iteration k repeats exactly what the uninterrupted run would have done.
 With seed exploration (`explore.mode` inline or stale, see `explore.py`) the seeds of a group may
 instead be chosen among explored candidates, which extend the default seeds of plan_iteration;
 in stale mode the next batch is explored with the current weights while the trainer updates.
+
+Cost: every iteration charges its wall time to the run's ledger (`spot.cost`, `cost.json`): the
+trainer's GPUs at the on-demand price, and the spot GPUs the Ray cluster holds at the spot price.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from spot.cost import CostLedger, spot_gpus_held
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.evaluate import evaluate
 from spotlight.explore import Exploration, start_exploration
 from spotlight.grpo import group_advantages
+from spotlight.mirror import CheckpointMirror
 from spotlight.policy import load_policy, load_trainable_state, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
@@ -61,16 +66,32 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
     """Post-train the policy of `cfg` with GRPO, writing config, metrics, images and checkpoints to run_dir."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    mirror = CheckpointMirror(cfg.log.store_url, keep_last=cfg.log.keep_last) if cfg.log.store_url else None
+    if mirror is not None and resume:
+        # A replacement machine starts with an empty run dir: bring the newest checkpoint (and the
+        # metrics and cost ledger up to it) back from the store before anything reads the run dir.
+        mirror.restore(run_dir)
+    # The cost clock starts before anything loads: a node is paid for while it loads the model too.
+    ledger = CostLedger(run_dir, cfg.cost, resume=resume)
     # Explorers (Ray actors, none in mode "none") load the model while the trainer does.
     exploration = start_exploration(cfg, run_dir)
     try:
-        return _train(cfg, run_dir, exploration, resume=resume, progress=progress)
+        return _train(cfg, run_dir, exploration, ledger, mirror, resume=resume, progress=progress)
     finally:
         if exploration is not None:
             exploration.close()
 
 
-def _train(cfg: DiTRecipe, run_dir: Path, exploration: Exploration | None, *, resume: bool, progress: bool) -> dict:
+def _train(
+    cfg: DiTRecipe,
+    run_dir: Path,
+    exploration: Exploration | None,
+    ledger: CostLedger,
+    mirror: CheckpointMirror | None,
+    *,
+    resume: bool,
+    progress: bool,
+) -> dict:
     console = Console(quiet=not progress)
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
@@ -99,7 +120,7 @@ def _train(cfg: DiTRecipe, run_dir: Path, exploration: Exploration | None, *, re
         console.print(f"explore.mode={cfg.explore.mode}: {num_ready} explorer(s) ready")
 
     def checkpoint(step: int, metrics: dict) -> Path:
-        return save_checkpoint(
+        step_dir = save_checkpoint(
             run_dir,
             step,
             tensors={"trainable": trainable_state(policy)},
@@ -112,6 +133,13 @@ def _train(cfg: DiTRecipe, run_dir: Path, exploration: Exploration | None, *, re
             config_yaml=dump_yaml(cfg),
             keep_last=cfg.log.keep_last,
         )
+        if mirror is not None:
+            mirror.publish(step_dir, run_dir)
+        return step_dir
+
+    def charge_cost() -> None:
+        # Spot GPUs held (not only busy): what the spot nodes of the cluster cost right now.
+        ledger.charge(spot_gpus=spot_gpus_held() if exploration is not None else 0)
 
     P, G = cfg.train.prompts_per_iteration, cfg.train.group_size
     history: list[dict] = []
@@ -176,6 +204,8 @@ def _train(cfg: DiTRecipe, run_dir: Path, exploration: Exploration | None, *, re
                 summary, _ = evaluate(policy, eval_prompts, reward_fn, cfg, progress=False)
                 metrics["eval/mean_reward"] = summary["mean_reward"]
                 metrics["eval/seconds"] = summary["seconds"]
+            charge_cost()
+            metrics.update(ledger.metrics())
             tracker.log(metrics, step=step)
             history.append(metrics)
             if cfg.log.images_every and step % cfg.log.images_every == 0:
@@ -183,13 +213,15 @@ def _train(cfg: DiTRecipe, run_dir: Path, exploration: Exploration | None, *, re
                 tracker.log_images("rollout", firsts, prompts[::G][:16], step=step, nrow=4)
             out_of_time = cfg.train.max_minutes and time.monotonic() - began > 60 * cfg.train.max_minutes
             if step % cfg.log.checkpoint_every == 0 or step == cfg.train.num_iterations or out_of_time:
-                last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith("time/")})
+                last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith(("time/", "cost/"))})
             bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
             if out_of_time:
                 console.print(f"train.max_minutes={cfg.train.max_minutes} reached after iteration {step}")
                 break
 
+    charge_cost()  # the last checkpoint's time
     summary = _summary(history, start_iter, time.monotonic() - began, last_ckpt)
+    summary["usd_total"] = round(ledger.summary()["usd_total"], 4)
     _print_summary(console, summary)
     return summary
 
@@ -215,6 +247,7 @@ def _print_summary(console: Console, summary: dict) -> None:
         "reward_first": "mean reward, first iterations",
         "reward_last": "mean reward, last iterations",
         "seconds": "wall time (s)",
+        "usd_total": "GPU cost so far (USD, spotlight cost)",
         "checkpoint": "last checkpoint",
     }
     for key, label in labels.items():

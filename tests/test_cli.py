@@ -44,7 +44,7 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def without_time(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/"))} for r in rows]
 
 
 def test_train_eval_sample_end_to_end(tiny_model_dir, tmp_path):

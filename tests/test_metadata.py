@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -301,12 +303,13 @@ def test_drain_node_on_notice_without_ray():
 
 
 @pytest.mark.slow
-def test_drain_node_on_notice_on_a_local_cluster(imds, monkeypatch):
+def test_drain_node_on_notice_on_a_local_cluster(imds):
     """End to end: notice from the fake IMDS -> watcher -> drain -> actor dies as preempted."""
     import functools
 
-    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every raylet on 127.0.0.1 (design.md §4)
-    import ray
+    from spot.localray import import_ray_on_loopback
+
+    ray = import_ray_on_loopback()  # every raylet on 127.0.0.1 (design.md §4)
     from ray._raylet import GcsClient
     from ray.cluster_utils import Cluster
 
@@ -339,3 +342,15 @@ def test_drain_node_on_notice_on_a_local_cluster(imds, monkeypatch):
         ray.shutdown()
         cluster.shutdown()
         os.environ.pop("RAY_ADDRESS", None)
+
+
+def test_command_line_watcher_reports_a_notice_and_exits(imds):
+    """`python -m spot.metadata` (what configs/cluster/aws-spot.yaml starts on each spot node), without Ray."""
+    imds.schedule_interruption(action="stop", lead_s=120.0)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spot.metadata", "--endpoint", imds.url, "--poll-s", "0.05", "--no-drain",
+         "--max-notices", "1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "spot interruption notice: stop at" in proc.stderr

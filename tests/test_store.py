@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from s3_server import FAKE_KEY_ID, FAKE_SECRET, SECRETS, fake_aws_environment, moto_s3
 from spot.s3 import S3Options, S3Store, redact
 from spot.store import (
     MANIFEST_NAME,
@@ -33,40 +34,19 @@ from spot.store import (
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "spot-store-test"
-FAKE_KEY_ID = "AKIASPOTFAKEKEYID0042"
-FAKE_SECRET = "spotFakeSecretKey/do+not+leak+0123456789"
-FAKE_TOKEN = "spotFakeSessionToken0123456789abcdef"
-SECRETS = (FAKE_KEY_ID, FAKE_SECRET, FAKE_TOKEN)
 MiB = 1 << 20
 
 
 @pytest.fixture(scope="module", autouse=True)
 def aws_env():
-    """Fake credentials through the standard chain; no profile files, no instance metadata."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                     "AWS_REGION", "AWS_DEFAULT_REGION"):
-            mp.delenv(name, raising=False)
-        mp.setenv("AWS_ACCESS_KEY_ID", FAKE_KEY_ID)
-        mp.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)
-        mp.setenv("AWS_SESSION_TOKEN", FAKE_TOKEN)
-        mp.setenv("AWS_CONFIG_FILE", os.devnull)
-        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with fake_aws_environment():
         yield
 
 
 @pytest.fixture(scope="module")
 def moto_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    _, port = server.get_host_and_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    S3Store(BUCKET, "", s3_options(endpoint)).client.create_bucket(Bucket=BUCKET)
-    yield endpoint
-    server.stop()
+    with moto_s3(BUCKET) as endpoint:
+        yield endpoint
 
 
 def s3_options(endpoint: str, **overrides) -> S3Options:
@@ -346,6 +326,7 @@ def test_s3_endpoint_down_fails_fast_and_clearly(tmp_path):
 
 def test_credentials_never_leak(moto_endpoint, tmp_path, caplog):
     caplog.set_level(logging.DEBUG)  # root: botocore's DEBUG request dumps included
+    caplog.set_level(logging.DEBUG, logger="botocore")  # importing Ray's AWS provider sets it to WARNING
     url = f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
     store = open_store(url, s3=s3_options(moto_endpoint))
     src = make_folder(tmp_path / "ckpt", CKPT)
