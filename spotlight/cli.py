@@ -213,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (its cost.json)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(fn=cmd_cost, items=[], loads_models=False)
+
+    from vlm.cli import add_subcommands as add_vlm_commands  # `spotlight vlm train|eval|warmstart|config`
+
+    add_vlm_commands(sub)
     return parser
 
 

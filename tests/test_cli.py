@@ -239,3 +239,11 @@ def test_lora_run_evaluates_with_its_adapter(tiny_model_dir, tmp_path, capsys):
     assert main(["eval", *overrides, "--checkpoint", str(run_dir), "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["step"] == 2 and 0.0 <= result["mean_reward"] <= 1.0
+
+
+def test_vlm_commands_live_under_spotlight(capsys):
+    """`spotlight vlm ...` reaches the VLM path's commands (vlm/cli.py)."""
+    assert main(["vlm", "config", "configs/vlm/tiny-count.yaml", "train.lr=1e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.0001" in out
+    assert main(["vlm", "config", "configs/vlm/tiny-count.yaml", "train.lrr=1e-4"]) == 2

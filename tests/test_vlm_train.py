@@ -1,0 +1,153 @@
+"""The serial VLM GRPO loop, recipes, warm start and the `vlm` CLI, with a tiny real Qwen2.5-VL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spotlight.checkpoint import load_checkpoint
+from spotlight.config_io import load_config
+from vlm.config import VLMRecipe, WarmStartRecipe
+from vlm.policy import VLMPolicy
+from vlm.train import run_training
+from vlm.warmstart import warm_start
+
+REPO = Path(__file__).resolve().parents[1]
+TASK = dict(grid_size=2, max_shapes=3, num_heldout=8)
+SPEC = dict(text_hidden=32, text_layers=1, text_heads=2, vision_hidden=32, vision_depth=1, vision_heads=2)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny warm-started base: it answers in the format, so GRPO groups get reward variance."""
+    cfg = load_config(WarmStartRecipe, None, ["num_steps=25", "batch_size=16", "lr=1e-2", *[f"task.{k}={v}" for k, v in TASK.items()], *[f"model.{k}={v}" for k, v in SPEC.items()]])
+    out = tmp_path_factory.mktemp("vlm") / "base"
+    summary = warm_start(cfg, out, progress=False)
+    assert summary["heldout_format_rate"] > 0.5, summary
+    return out
+
+
+def _recipe(base: Path, *overrides: str) -> VLMRecipe:
+    tiny = [
+        f"model.path={base}", "train.prompts_per_iteration=2", "rollout.group_size=3", "rollout.max_new_tokens=4",
+        "train.lr=1e-2", "log.wandb_mode=disabled", "train.max_minutes=0", "train.micro_batch_size=4",
+        *[f"task.{k}={v}" for k, v in TASK.items()],
+    ]  # fmt: skip
+    return load_config(VLMRecipe, None, [*tiny, *overrides])
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(run_dir).tensors["trainable"]
+
+
+def test_recipes_equal_the_defaults():
+    assert load_config(VLMRecipe, REPO / "configs/vlm/tiny-count.yaml") == VLMRecipe()
+    assert load_config(WarmStartRecipe, REPO / "configs/vlm/tiny-warmstart.yaml") == WarmStartRecipe()
+    with pytest.raises(ValueError, match="did you mean 'train.beta'"):
+        load_config(VLMRecipe, None, ["train.bta=0"])
+
+
+def test_a_grpo_step_changes_trained_weights_and_keeps_frozen_ones(base, tmp_path):
+    run = tmp_path / "run"
+    summary = run_training(_recipe(base, "train.num_iterations=1", "model.train_vision=false"), run, progress=False)
+    assert summary["iterations"] == 1
+    trained = _weights(run)
+    start = dict(VLMPolicy.load(base).model.named_parameters())
+    assert not any(".visual." in n for n in trained)
+    assert any(not torch.equal(v, start[n]) for n, v in trained.items())
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert {"reward/accuracy", "grpo/loss", "grpo/kl_ref", "time/rollout_s"} <= row.keys()
+    assert row["grpo/zero_variance_groups"] < 2  # some group had a signal
+    assert (run / "config.yaml").is_file()
+
+
+def test_lora_step_trains_only_the_adapter(base, tmp_path):
+    run = tmp_path / "lora"
+    run_training(_recipe(base, "train.num_iterations=1", "model.lora_rank=4", "train.beta=0.1"), run, progress=False)
+    trained = _weights(run)
+    assert trained and all("lora_" in n for n in trained)
+    assert any(v.abs().sum() > 0 for n, v in trained.items() if "lora_B" in n)  # B starts at zero
+
+
+def test_resume_is_exact(base, tmp_path):
+    overrides = ("train.num_inner_epochs=2", "train.minibatch_size=4", "train.micro_batch_size=3")
+    straight = tmp_path / "straight"
+    run_training(_recipe(base, "train.num_iterations=2", *overrides), straight, progress=False)
+    resumed = tmp_path / "resumed"
+    run_training(_recipe(base, "train.num_iterations=1", *overrides), resumed, progress=False)
+    run_training(_recipe(base, "train.num_iterations=2", *overrides), resumed, progress=False)
+    a, b = _weights(straight), _weights(resumed)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert load_checkpoint(resumed).step == 2
+    assert len((resumed / "metrics.jsonl").read_text().splitlines()) == 2
+    # The run did move away from the base (the comparison above is not of two untouched models).
+    start = dict(VLMPolicy.load(base).model.named_parameters())
+    assert any(not torch.equal(v, start[k]) for k, v in a.items())
+
+
+def test_warm_start_then_cli_eval_prints_heldout_accuracy(tmp_path):
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
+    task = [f"task.{k}={v}" for k, v in TASK.items()]
+    sizes = [f"model.{k}={v}" for k, v in SPEC.items()]
+    base = tmp_path / "base"
+    # `python -m vlm.cli` is the real entry point; the summary is one JSON line.
+    out = subprocess.run(
+        [sys.executable, "-m", "vlm.cli", "warmstart", "num_steps=3", "batch_size=4", *task, *sizes, "--out", str(base), "--quiet"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and 0 <= summary["heldout_accuracy"] <= 1
+    assert summary["loss_last"] < summary["loss_first"]
+    run = tmp_path / "run"
+    run_training(_recipe(base, "train.num_iterations=1"), run, progress=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "vlm.cli", "eval", "--checkpoint", str(run), "--json", f"model.path={base}", *task],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["step"] == 1 and result["num_examples"] == TASK["num_heldout"] and 0 <= result["accuracy"] <= 1
+    bad = subprocess.run([sys.executable, "-m", "vlm.cli", "eval", f"model.path={tmp_path / 'missing'}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "model.path" in bad.stderr and "missing" in bad.stderr
+
+
+def test_skipping_the_old_pass_on_policy_changes_nothing(base):
+    from spotlight.sampling import derive_seed
+    from vlm.policy import load_policy, trainable_state
+    from vlm.rollout import HFRolloutEngine
+    from vlm.task import TrainStream, example_image
+    from vlm.train import batched_logprobs, update
+
+    cfg = _recipe(base, "train.beta=0")
+    results = []
+    for skip in (True, False):
+        policy = load_policy(cfg.model)
+        examples = TrainStream(cfg.task, seed=0).batch(0, 2)
+        prompts = policy.encode([e.question for e in examples], [example_image(e, cfg.task) for e in examples])
+        ro = HFRolloutEngine(policy).generate(prompts, 3, 4, 1.0, seed=derive_seed(0, 0))
+        adv_B = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0])
+        with torch.no_grad():
+            old = None if skip else batched_logprobs(policy, ro, 1.0, 4)
+        optimizer = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=1e-2)
+        before = trainable_state(policy)
+        update(policy, optimizer, ro, adv_B, old, None, cfg, 0)
+        results.append(trainable_state(policy))
+    skipped, computed = results
+    assert any(not torch.equal(before[k], computed[k]) for k in before)
+    assert all(torch.allclose(skipped[k], computed[k], atol=1e-6) for k in skipped)
+
+
+def test_dropping_flat_groups_updates_only_groups_with_signal(base, tmp_path):
+    run = tmp_path / "drop"
+    run_training(_recipe(base, "train.num_iterations=2", "train.drop_flat_groups=true", "train.prompts_per_iteration=4"), run, progress=False)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["grpo/rows_updated"] == (4 - row["grpo/zero_variance_groups"]) * 3

@@ -1,0 +1,51 @@
+"""Held-out accuracy of a VLM policy on the shapes task: greedy answers, checked by the rewards."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from vlm.config import TaskConfig
+from vlm.policy import VLMPolicy
+from vlm.rewards import accuracy_reward, format_reward
+from vlm.rollout import HFRolloutEngine
+from vlm.task import Example, example_image, heldout_examples
+
+
+def evaluate(
+    policy: VLMPolicy, task: TaskConfig, *, examples: list[Example] | None = None, batch_size: int = 128, max_new_tokens: int = 6
+) -> dict:
+    """Greedy-decode every held-out example and score it.
+
+    Args:
+        policy: the policy.
+        task: the task (its held-out split is used unless `examples` is given).
+        examples: the examples to score instead of the held-out split.
+        batch_size: examples per generate call.
+        max_new_tokens: most tokens per answer.
+
+    Returns:
+        {"accuracy", "format_rate", "accuracy/<question type>", "num_examples", "seconds"}.
+    """
+    began = time.monotonic()
+    examples = heldout_examples(task) if examples is None else examples
+    engine = HFRolloutEngine(policy, batch_size=batch_size)
+    texts: list[str] = []
+    for start in range(0, len(examples), batch_size):
+        part = examples[start : start + batch_size]
+        prompts = policy.encode([e.question for e in part], [example_image(e, task) for e in part])
+        texts += engine.generate(prompts, 1, max_new_tokens, 0.0, seed=0).texts
+    answers = [e.answer for e in examples]
+    correct = accuracy_reward(texts, answers)
+    by_type: dict[str, list[float]] = defaultdict(list)
+    for e, c in zip(examples, correct.tolist()):
+        by_type[e.question_type].append(c)
+    return {
+        "accuracy": float(correct.mean()),
+        "format_rate": float(format_reward(texts, answers).mean()),
+        **{f"accuracy/{k}": sum(v) / len(v) for k, v in sorted(by_type.items())},
+        "num_examples": len(examples),
+        "seconds": round(time.monotonic() - began, 1),
+        "samples": [{"question": e.question, "answer": e.answer, "response": t} for e, t in list(zip(examples, texts))[:4]],
+    }
+

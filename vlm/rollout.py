@@ -1,0 +1,140 @@
+"""Rollout engines: sample G responses per prompt, seeded, returning token ids and masks.
+
+Shape legend: P prompts, G samples per prompt, B = P * G sequences (prompt-major), T response
+tokens, V vocabulary.
+
+Seeding: sample g of prompt p draws from its own generator, seeded with derive_seed(seed, p, g),
+so a response does not depend on which other prompts share its batch or on the batch size. The
+transformers engine samples with the Gumbel-max trick (Gumbel 1954; Maddison et al. 2014):
+argmax(logits / temperature + Gumbel noise) is an exact sample of softmax(logits / temperature),
+so a greedy `generate` with a logits processor that adds per-row noise samples the policy while
+the noise stays ours. Temperature 0 is plain greedy decoding (evaluation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from spotlight.sampling import derive_seed
+from vlm.policy import PromptBatch, VLMPolicy, mask_banned
+
+
+@dataclass
+class Rollout:
+    """G sampled responses for each of P prompts."""
+
+    prompts: PromptBatch
+    """The B = P * G prompt rows (each prompt repeated G times, prompt-major)."""
+    response_ids_BT: torch.Tensor
+    """(B, T) sampled tokens; padding after the end token."""
+    response_mask_BT: torch.Tensor
+    """(B, T) 1 for the response's tokens up to and including its end token (all T if it has none)."""
+    texts: list[str]
+    """B decoded responses."""
+
+
+    def select(self, rows: list[int]) -> Rollout:
+        """The rollout of the given rows only."""
+        return Rollout(self.prompts.select(rows), self.response_ids_BT[rows], self.response_mask_BT[rows], [self.texts[r] for r in rows])
+
+
+class RolloutEngine(Protocol):
+    """Samples responses with the current weights (a transformers or, later, a vLLM backend)."""
+
+    def generate(
+        self, batch: PromptBatch, num_samples: int, max_new_tokens: int, temperature: float, seed: int
+    ) -> Rollout:
+        """Sample `num_samples` responses for each prompt of `batch`.
+
+        Args:
+            batch: P prompts.
+            num_samples: G.
+            max_new_tokens: most tokens per response.
+            temperature: > 0 samples softmax(logits / temperature); 0 decodes greedily.
+            seed: the rollout's seed; sample g of prompt p uses derive_seed(seed, p, g).
+        """
+        ...
+
+
+class BanTokens:
+    """A transformers logits processor: the policy's banned tokens get -inf (see `VLMPolicy`)."""
+
+    def __init__(self, banned_token_ids: list[int]):
+        self.banned_token_ids = banned_token_ids
+
+    def __call__(self, input_ids: torch.LongTensor, scores_BV: torch.Tensor) -> torch.Tensor:
+        return mask_banned(scores_BV, self.banned_token_ids)
+
+
+class GumbelNoise:
+    """A transformers logits processor: adds per-row seeded Gumbel noise to logits / temperature."""
+
+    def __init__(self, row_seeds: list[int], temperature: float):
+        self.temperature = temperature
+        self.generators = []
+        for s in row_seeds:
+            g = torch.Generator(device="cpu")
+            g.manual_seed(s)
+            self.generators.append(g)
+
+    def __call__(self, input_ids: torch.LongTensor, scores_BV: torch.Tensor) -> torch.Tensor:
+        assert scores_BV.shape[0] == len(self.generators), (scores_BV.shape, len(self.generators))
+        vocab = scores_BV.shape[1]
+        # u in (0, 1): -log(-log(u)) is standard Gumbel noise.
+        u_BV = torch.stack([torch.rand(vocab, generator=g, dtype=torch.float64) for g in self.generators])
+        gumbel_BV = -torch.log(-torch.log(u_BV.clamp(1e-20, 1.0 - 1e-12)))
+        return scores_BV.float() / self.temperature + gumbel_BV.to(scores_BV.device, torch.float32)
+
+
+def response_mask(response_ids_BT: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(B, T) 1 up to and including the first end token of each row, 0 after it."""
+    is_eos = (response_ids_BT == eos_token_id).long()
+    ended_before = torch.cumsum(is_eos, dim=1) - is_eos  # end tokens strictly before t
+    return (ended_before == 0).long()
+
+
+class HFRolloutEngine:
+    """Rollouts with transformers' `generate` (KV cache, one call per `batch_size` sequences).
+
+    Args:
+        policy: the policy whose current weights sample.
+        batch_size: sequences per generate call (results do not depend on it).
+    """
+
+    def __init__(self, policy: VLMPolicy, *, batch_size: int = 128):
+        self.policy = policy
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def generate(
+        self, batch: PromptBatch, num_samples: int, max_new_tokens: int, temperature: float, seed: int
+    ) -> Rollout:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        policy = self.policy
+        rows = batch.repeat_rows(num_samples)
+        row_seeds = [derive_seed(seed, p, g) for p in range(batch.num_rows) for g in range(num_samples)]
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=policy.eos_token_id, pad_token_id=policy.pad_token_id
+        )
+        chunks = []
+        for start in range(0, rows.num_rows, self.batch_size):
+            idx = list(range(start, min(start + self.batch_size, rows.num_rows)))
+            part = rows.select(idx).to(policy.device)
+            processors = LogitsProcessorList([BanTokens(policy.banned_token_ids)])
+            if temperature > 0:
+                processors.append(GumbelNoise(row_seeds[idx[0] : idx[-1] + 1], temperature))
+            out = policy.model.generate(**part.model_inputs(), generation_config=config, logits_processor=processors)
+            chunks.append(out[:, part.input_ids_BL.shape[1] :].cpu())
+        width = max(c.shape[1] for c in chunks)
+        response_ids_BT = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=policy.pad_token_id) for c in chunks])
+        mask_BT = response_mask(response_ids_BT, policy.eos_token_id)
+        response_ids_BT = torch.where(mask_BT.bool(), response_ids_BT, torch.full_like(response_ids_BT, policy.pad_token_id))
+        return Rollout(rows, response_ids_BT, mask_BT, policy.decode(response_ids_BT, mask_BT))
+
+
+ENGINES = {"hf": HFRolloutEngine}
+"""Rollout engine classes by `rollout.engine` name."""

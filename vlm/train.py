@@ -1,0 +1,246 @@
+"""The serial VLM GRPO driver: rollout, reward, advantage, reference and old log-probs, update.
+
+Read it top to bottom. Every random choice of iteration k (its examples, the sampling seeds, the
+minibatch order) derives from (train.seed, k), so a run resumed from the checkpoint after
+iteration k repeats exactly what the uninterrupted run would have done.
+
+The schedule is the serial one (design.md §3.5): each phase runs the whole model on the whole
+batch in turn. The Rollplex schedule overlaps the prefix work of the reference and old passes
+with the rollout's decode and must give the same losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
+from spotlight.config_io import dump_yaml, save_config, to_dict
+from spotlight.sampling import derive_seed
+from spotlight.tracking import Tracker
+from vlm.config import VLMRecipe
+from vlm.evaluate import evaluate
+from vlm.grpo import group_advantages, grpo_token_loss
+from vlm.policy import VLMPolicy, load_policy, load_trainable_state, response_logprobs, trainable_state
+from vlm.rewards import CombinedReward
+from vlm.rollout import ENGINES, Rollout
+from vlm.task import TrainStream, example_image
+
+
+class Reference:
+    """The frozen reference policy of the KL term: the adapter switched off (LoRA) or a frozen copy."""
+
+    def __init__(self, policy: VLMPolicy, beta: float):
+        self.policy = policy
+        self.copy = None
+        if beta > 0 and not policy.has_lora:
+            self.copy = copy.deepcopy(policy.model).requires_grad_(False)
+
+    @torch.no_grad()
+    def logprobs(self, ro: Rollout, temperature: float, micro_batch_size: int) -> torch.Tensor:
+        """(B, T) reference log-probs of the rollout's responses."""
+        ctx = self.policy.model.disable_adapter() if self.copy is None else contextlib.nullcontext()
+        with ctx:
+            return batched_logprobs(self.policy, ro, temperature, micro_batch_size, model=self.copy)
+
+
+def batched_logprobs(policy: VLMPolicy, ro: Rollout, temperature: float, micro_batch_size: int, *, model=None) -> torch.Tensor:
+    """(B, T) response log-probs in micro-batches (call under no_grad)."""
+    parts = []
+    for start in range(0, ro.prompts.num_rows, micro_batch_size):
+        rows = list(range(start, min(start + micro_batch_size, ro.prompts.num_rows)))
+        parts.append(
+            response_logprobs(policy, ro.prompts.select(rows), ro.response_ids_BT[rows], ro.response_mask_BT[rows], temperature, model=model).cpu()
+        )
+    return torch.cat(parts)
+
+
+def update(
+    policy: VLMPolicy,
+    optimizer: torch.optim.Optimizer,
+    ro: Rollout,
+    adv_B: torch.Tensor,
+    old_logp_BT: torch.Tensor | None,
+    ref_logp_BT: torch.Tensor | None,
+    cfg: VLMRecipe,
+    iteration: int,
+) -> dict[str, float]:
+    """The policy update of one iteration: epochs x shuffled minibatches, micro-batch gradient accumulation.
+
+    `old_logp_BT` None means on-policy (one epoch, one minibatch): the ratio's denominator is the
+    forward's own log-probs, detached.
+    """
+    tc = cfg.train
+    num_rows = ro.prompts.num_rows
+    stats: dict[str, list[float]] = {}
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    for epoch in range(tc.num_inner_epochs):
+        order = np.random.default_rng(derive_seed(tc.seed, iteration, 1, epoch)).permutation(num_rows).tolist()
+        for mb_start in range(0, num_rows, tc.minibatch_size):
+            mb_rows = order[mb_start : mb_start + tc.minibatch_size]
+            mask_all = ro.response_mask_BT[mb_rows]
+            optimizer.zero_grad(set_to_none=True)
+            loss_total = 0.0
+            for mc_start in range(0, len(mb_rows), tc.micro_batch_size):
+                rows = mb_rows[mc_start : mc_start + tc.micro_batch_size]
+                mask_BT = ro.response_mask_BT[rows]
+                logp_BT = response_logprobs(policy, ro.prompts.select(rows), ro.response_ids_BT[rows], mask_BT, cfg.rollout.temperature)
+                old_BT = logp_BT.detach() if old_logp_BT is None else old_logp_BT[rows].to(logp_BT.device)
+                loss, s = grpo_token_loss(
+                    logp_BT, old_BT,
+                    ref_logp_BT[rows].to(logp_BT.device) if ref_logp_BT is not None else None,
+                    adv_B[rows].to(logp_BT.device), mask_BT.to(logp_BT.device),
+                    clip_range=tc.clip_range, beta=tc.beta, agg=tc.loss_agg,
+                    num_sequences=len(mb_rows), num_tokens=float(mask_all.sum()),
+                )  # fmt: skip
+                loss.backward()
+                loss_total += loss.item()
+                for k, v in s.items():
+                    stats.setdefault(k, []).append(v)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
+            optimizer.step()
+            stats.setdefault("loss", []).append(loss_total)
+            stats.setdefault("grad_norm", []).append(float(grad_norm))
+    return {k: float(np.mean(v)) for k, v in stats.items()}
+
+
+def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, progress: bool = True) -> dict:
+    """Post-train the policy of `cfg` with GRPO, writing config, metrics and checkpoints to run_dir."""
+    console = Console(quiet=not progress)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    save_config(cfg, run_dir / "config.yaml")
+    tc, P, G = cfg.train, cfg.train.prompts_per_iteration, cfg.rollout.group_size
+
+    policy = load_policy(cfg.model)
+    engine = ENGINES[cfg.rollout.engine](policy, batch_size=cfg.rollout.batch_size)
+    reference = Reference(policy, tc.beta)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    reward_fn = CombinedReward(cfg.reward.weights)
+    stream = TrainStream(cfg.task, seed=tc.seed)
+
+    start_iter = 0
+    latest = find_latest_checkpoint(run_dir) if resume else None
+    if latest is not None:
+        ckpt = load_checkpoint(latest)
+        load_trainable_state(policy, ckpt.tensors["trainable"])
+        optimizer.load_state_dict(ckpt.optimizer_state)
+        restore_rng_state(ckpt.rng_state)
+        start_iter = ckpt.step
+        console.print(f"resuming from {ckpt.path} (iteration {start_iter})")
+
+    def checkpoint(step: int, metrics: dict) -> Path:
+        return save_checkpoint(
+            run_dir, step,
+            tensors={"trainable": trainable_state(policy)},
+            optimizer_state=optimizer.state_dict(),
+            rng_state=capture_rng_state(),
+            meta={"step": step, "metrics": metrics, "lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
+                  "train_vision": cfg.model.train_vision},
+            config_yaml=dump_yaml(cfg),
+            keep_last=cfg.log.keep_last,
+        )  # fmt: skip
+
+    # With a single epoch and a single minibatch the update runs at the weights that sampled, so
+    # the old log-probs are the new ones detached (same weights, same inputs): skip that pass.
+    on_policy = tc.num_inner_epochs == 1 and tc.minibatch_size >= P * G
+    history: list[dict] = []
+    last_ckpt: Path | None = latest
+    began = time.monotonic()
+    columns = [TextColumn("[bold]VLM GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
+    tracker = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter)
+    with tracker, Progress(*columns, console=console) as bar:
+        task = bar.add_task("", total=tc.num_iterations, completed=start_iter)
+        for it in range(start_iter, tc.num_iterations):
+            t0 = time.monotonic()
+            # 1. Rollout: G seeded responses per prompt with the current weights.
+            examples = stream.batch(it, P)
+            prompts = policy.encode([e.question for e in examples], [example_image(e, cfg.task) for e in examples])
+            ro = engine.generate(prompts, G, cfg.rollout.max_new_tokens, cfg.rollout.temperature, seed=derive_seed(tc.seed, it, 0))
+            t1 = time.monotonic()
+            # 2. Verifiable rewards and group-relative advantages (flat groups carry no signal).
+            answers = [e.answer for e in examples for _ in range(G)]
+            reward = reward_fn(ro.texts, answers)
+            adv = group_advantages(reward.total_B.view(P, G), std_mode=tc.adv_std, clip=tc.adv_clip)
+            adv_B = adv.adv_PG.reshape(-1)
+            batch = ro
+            if tc.drop_flat_groups:  # only groups with a reward spread reach the update
+                rows = adv.trainable_PG.any(dim=1).repeat_interleave(G).nonzero().squeeze(1).tolist()
+                batch, adv_B = (ro.select(rows), adv_B[rows]) if rows else (None, None)
+            t2 = t3 = time.monotonic()
+            stats: dict[str, float] = {}
+            if batch is not None:
+                # 3. Reference log-probs (KL term), then old log-probs (the ratio's denominator).
+                ref_logp_BT = reference.logprobs(batch, cfg.rollout.temperature, tc.micro_batch_size) if tc.beta > 0 else None
+                t2 = time.monotonic()
+                if on_policy:  # one optimizer step on fresh samples: old == current weights, ratio 1
+                    old_logp_BT = None
+                else:
+                    with torch.no_grad():
+                        old_logp_BT = batched_logprobs(policy, batch, cfg.rollout.temperature, tc.micro_batch_size)
+                t3 = time.monotonic()
+                # 4. Policy update.
+                stats = update(policy, optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, cfg, it)
+            t4 = time.monotonic()
+
+            metrics = {
+                "reward/mean": float(reward.total_B.mean()),
+                **{f"reward/{k}": float(v.mean()) for k, v in reward.components.items()},
+                "grpo/zero_variance_groups": adv.num_zero_variance_groups,
+                "response/length": float(ro.response_mask_BT.sum(dim=1).float().mean()),
+                "grpo/rows_updated": batch.prompts.num_rows if batch is not None else 0,
+                **{f"grpo/{k}": v for k, v in stats.items()},
+                "time/rollout_s": t1 - t0,
+                "time/reference_s": t2 - t1,
+                "time/old_logprobs_s": t3 - t2,
+                "time/update_s": t4 - t3,
+                "time/iteration_s": t4 - t0,
+            }
+            step = it + 1
+            if cfg.eval.every and step % cfg.eval.every == 0:
+                summary = evaluate(policy, cfg.task, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.rollout.max_new_tokens)
+                metrics.update({f"eval/{k}": v for k, v in summary.items() if k.startswith("accuracy") or k == "format_rate"})
+            tracker.log(metrics, step=step)
+            history.append(metrics)
+            out_of_time = tc.max_minutes and time.monotonic() - began > 60 * tc.max_minutes
+            if step % cfg.log.checkpoint_every == 0 or step == tc.num_iterations or out_of_time:
+                last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith("time/")})
+            bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
+            if out_of_time:
+                console.print(f"train.max_minutes={tc.max_minutes} reached after iteration {step}")
+                break
+
+    summary = _summary(history, start_iter, time.monotonic() - began, last_ckpt)
+    _print_summary(console, summary)
+    return summary
+
+
+def _summary(history: list[dict], start_iter: int, seconds: float, last_ckpt: Path | None) -> dict:
+    rewards = [m["reward/accuracy"] if "reward/accuracy" in m else m["reward/mean"] for m in history]
+    window = max(1, min(10, len(rewards) // 2))
+    return {
+        "iterations": start_iter + len(history),
+        "iterations_this_run": len(history),
+        "train_accuracy_first": float(np.mean(rewards[:window])) if rewards else None,
+        "train_accuracy_last": float(np.mean(rewards[-window:])) if rewards else None,
+        "seconds": round(seconds, 1),
+        "checkpoint": str(last_ckpt) if last_ckpt else None,
+    }
+
+
+def _print_summary(console: Console, summary: dict) -> None:
+    table = Table(title="spotlight vlm train", show_header=False)
+    for key, value in summary.items():
+        table.add_row(key.replace("_", " "), f"{value:.4f}" if isinstance(value, float) and key != "seconds" else str(value))
+    console.print(table)
