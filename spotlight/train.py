@@ -8,6 +8,11 @@ With seed exploration (`explore.mode` inline or stale, see `explore.py`) the see
 instead be chosen among explored candidates, which extend the default seeds of plan_iteration;
 in stale mode the next batch is explored with the current weights while the trainer updates.
 
+Data parallel (`accelerate launch` or `torchrun`, see `distributed.py`): the global batch and its
+seeds are the one-process ones; each rank rolls out a contiguous slice of the P * G samples, the
+rewards are all-gathered before the group advantages, gradients are summed over ranks in the
+update, and only rank 0 writes (metrics, images, checkpoints, cost) and drives the explorers.
+
 Cost: every iteration charges its wall time to the run's ledger (`spot.cost`, `cost.json`): the
 trainer's GPUs at the on-demand price, and the spot GPUs the Ray cluster holds at the spot price.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +34,7 @@ from spot.cost import CostLedger, spot_gpus_held
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
+from spotlight.distributed import DataParallel, gather_rewards, init_data_parallel
 from spotlight.evaluate import evaluate
 from spotlight.explore import Exploration, start_exploration
 from spotlight.grpo import group_advantages
@@ -65,46 +72,55 @@ def plan_iteration(cfg: DiTRecipe, train_prompts: list[str], iteration: int) -> 
 def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, progress: bool = True) -> dict:
     """Post-train the policy of `cfg` with GRPO, writing config, metrics, images and checkpoints to run_dir."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    mirror = CheckpointMirror(cfg.log.store_url, keep_last=cfg.log.keep_last) if cfg.log.store_url else None
-    if mirror is not None and resume:
-        # A replacement machine starts with an empty run dir: bring the newest checkpoint (and the
-        # metrics and cost ledger up to it) back from the store before anything reads the run dir.
-        mirror.restore(run_dir)
-    # The cost clock starts before anything loads: a node is paid for while it loads the model too.
-    ledger = CostLedger(run_dir, cfg.cost, resume=resume)
-    # Explorers (Ray actors, none in mode "none") load the model while the trainer does.
-    exploration = start_exploration(cfg, run_dir)
+    # One process unless launched by accelerate/torchrun; then only rank 0 writes and explores.
+    dp = init_data_parallel()
+    mirror, ledger, exploration = None, None, None
     try:
-        return _train(cfg, run_dir, exploration, ledger, mirror, resume=resume, progress=progress)
+        if dp.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            mirror = CheckpointMirror(cfg.log.store_url, keep_last=cfg.log.keep_last) if cfg.log.store_url else None
+            if mirror is not None and resume:
+                # A replacement machine starts with an empty run dir: bring the newest checkpoint (and the
+                # metrics and cost ledger up to it) back from the store before anything reads the run dir.
+                mirror.restore(run_dir)
+            # The cost clock starts before anything loads: a node is paid for while it loads the model too.
+            ledger = CostLedger(run_dir, cfg.cost, resume=resume)
+            # Explorers (Ray actors, none in mode "none") load the model while the trainer does.
+            exploration = start_exploration(cfg, run_dir)
+        return _train(cfg, run_dir, dp, exploration, ledger, mirror, resume=resume, progress=progress and dp.is_main)
     finally:
         if exploration is not None:
             exploration.close()
+        dp.close()
 
 
 def _train(
     cfg: DiTRecipe,
     run_dir: Path,
+    dp: DataParallel,
     exploration: Exploration | None,
-    ledger: CostLedger,
+    ledger: CostLedger | None,
     mirror: CheckpointMirror | None,
     *,
     resume: bool,
     progress: bool,
 ) -> dict:
+    """The iteration loop; on ranks other than 0, exploration, ledger and mirror are None."""
     console = Console(quiet=not progress)
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    save_config(cfg, run_dir / "config.yaml")
+    if dp.is_main:
+        save_config(cfg, run_dir / "config.yaml")
 
     train_prompts, eval_prompts = train_and_eval_prompts(cfg.data, cfg.reward.weights)
     policy = load_policy(cfg.model)
-    trainer = GRPOTrainer(policy, cfg)
+    trainer = GRPOTrainer(policy, cfg, dp)
     reward_fn = build_reward(cfg.reward.weights, **cfg.reward.options())
     sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
 
     start_iter = 0
-    latest = find_latest_checkpoint(run_dir) if resume else None
+    # Rank 0 picks the checkpoint (the run dir must be one every rank can read).
+    latest = dp.broadcast_object(find_latest_checkpoint(run_dir) if resume and dp.is_main else None)
     if latest is not None:
         ckpt = load_checkpoint(latest)
         load_trainable_state(policy, ckpt.tensors["trainable"])
@@ -139,14 +155,19 @@ def _train(
 
     def charge_cost() -> None:
         # Spot GPUs held (not only busy): what the spot nodes of the cluster cost right now.
-        ledger.charge(spot_gpus=spot_gpus_held() if exploration is not None else 0)
+        if ledger is not None:
+            ledger.charge(spot_gpus=spot_gpus_held() if exploration is not None else 0)
 
     P, G = cfg.train.prompts_per_iteration, cfg.train.group_size
+    lo, hi = dp.shard(P * G)  # this rank's samples of every iteration (all of them in one process)
+    if dp.world_size > 1:
+        console.print(f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {P * G} samples on rank 0")
     history: list[dict] = []
     last_ckpt: Path | None = latest
     began = time.monotonic()
     columns = [TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
-    with Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) as tracker, Progress(*columns, console=console) as bar:
+    tracking = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) if dp.is_main else nullcontext()
+    with tracking as tracker, Progress(*columns, console=console) as bar:
         task = bar.add_task("", total=cfg.train.num_iterations, completed=start_iter)
         for it in range(start_iter, cfg.train.num_iterations):
             t0 = time.monotonic()
@@ -155,9 +176,11 @@ def _train(
             prompts, seeds, sde_steps = plan_iteration(cfg, train_prompts, it)
             if exploration is not None:
                 seeds = exploration.seeds_for(it, policy, prompts[::G], seeds, sde_steps)
+            if cfg.explore.mode != "none":
+                seeds = dp.broadcast_object(seeds)  # only rank 0 holds the explorers
             t_ro = time.monotonic()
             ro = rollout(
-                policy, prompts, seeds, sigmas,
+                policy, prompts[lo:hi], seeds[lo:hi], sigmas,
                 noise_level=cfg.sample.noise_level,
                 sde_steps=sde_steps,
                 sde_type=cfg.sample.sde_type,
@@ -166,8 +189,9 @@ def _train(
                 batch_size=cfg.sample.batch_size,
             )  # fmt: skip
             t1 = time.monotonic()
-            # 2. Rewards; a failed reward leaves NaN, which drops the sample from its group.
-            reward = reward_fn(ro.images, prompts)
+            # 2. Rewards; a failed reward leaves NaN, which drops the sample from its group. Every
+            #    rank gets the whole batch's rewards: the group statistics are global.
+            reward = gather_rewards(dp, reward_fn(ro.images, prompts[lo:hi]))
             # 3. Group-relative advantages; zero-variance groups are filtered.
             adv = group_advantages(reward.total_B.view(P, G), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip)
             t2 = time.monotonic()
@@ -199,20 +223,26 @@ def _train(
                 "time/iteration_s": time.monotonic() - t0,
             }
             step = it + 1
-            if cfg.eval.every and step % cfg.eval.every == 0:
-                # Held-out reward of θ_{k+1}; its time is outside time/iteration_s.
-                summary, _ = evaluate(policy, eval_prompts, reward_fn, cfg, progress=False)
-                metrics["eval/mean_reward"] = summary["mean_reward"]
-                metrics["eval/seconds"] = summary["seconds"]
-            charge_cost()
-            metrics.update(ledger.metrics())
-            tracker.log(metrics, step=step)
             history.append(metrics)
+            firsts = None
             if cfg.log.images_every and step % cfg.log.images_every == 0:
-                firsts = ro.images[::G][:16]
-                tracker.log_images("rollout", firsts, prompts[::G][:16], step=step, nrow=4)
-            out_of_time = cfg.train.max_minutes and time.monotonic() - began > 60 * cfg.train.max_minutes
-            if step % cfg.log.checkpoint_every == 0 or step == cfg.train.num_iterations or out_of_time:
+                # The first sample of each of the first 16 groups, from whichever rank rolled it out.
+                firsts = dp.all_gather_rows(ro.images[[i - lo for i in range(0, min(P, 16) * G, G) if lo <= i < hi]])
+            if dp.is_main:
+                # 7. Publish (rank 0 only): held-out eval, cost, metrics, images.
+                if cfg.eval.every and step % cfg.eval.every == 0:
+                    # Held-out reward of θ_{k+1}; its time is outside time/iteration_s.
+                    summary, _ = evaluate(policy, eval_prompts, reward_fn, cfg, progress=False)
+                    metrics["eval/mean_reward"] = summary["mean_reward"]
+                    metrics["eval/seconds"] = summary["seconds"]
+                charge_cost()
+                metrics.update(ledger.metrics())
+                tracker.log(metrics, step=step)
+                if firsts is not None:
+                    tracker.log_images("rollout", firsts, prompts[::G][:16], step=step, nrow=4)
+            # Rank 0's clock decides for every rank, so that all of them stop after the same iteration.
+            out_of_time = dp.broadcast_object(bool(cfg.train.max_minutes and time.monotonic() - began > 60 * cfg.train.max_minutes))
+            if dp.is_main and (step % cfg.log.checkpoint_every == 0 or step == cfg.train.num_iterations or out_of_time):
                 last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith(("time/", "cost/"))})
             bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
             if out_of_time:
@@ -221,6 +251,8 @@ def _train(
 
     charge_cost()  # the last checkpoint's time
     summary = _summary(history, start_iter, time.monotonic() - began, last_ckpt)
+    if ledger is None:
+        return summary
     summary["usd_total"] = round(ledger.summary()["usd_total"], 4)
     _print_summary(console, summary)
     return summary

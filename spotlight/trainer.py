@@ -6,6 +6,11 @@ For every minibatch, the log-prob of each stored stochastic transition x_j -> x_
 recomputed under the current weights with the same `sde_step` the sampler used, the clipped
 surrogate of `grpo.clipped_policy_loss` is taken per step, and gradients accumulate over the
 trained steps before one optimizer step (Flow-GRPO's "gradient accumulation over timesteps").
+
+Data parallel (`distributed.py`): the rollout holds this rank's contiguous slice of the samples,
+the advantages are global. Every rank walks the same global minibatches; its loss over its own
+samples is weighted by their share of the minibatch, so the gradients summed over ranks (and the
+statistics) are those of the one-process minibatch.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy as np
 import torch
 
 from spotlight.config import DiTRecipe
+from spotlight.distributed import DataParallel
 from spotlight.grpo import Advantages, clipped_policy_loss, gaussian_mean_kl, nft_loss, nft_optimality
 from spotlight.policy import DiTPolicy
 from spotlight.rollout import PromptBatch, Rollout, encode, guided_velocity
@@ -27,12 +33,15 @@ from spotlight.sampling import derive_seed, stochastic_step
 class GRPOTrainer:
     """Owns the optimizer and the reference policy; `update` is one GRPO step on a rollout."""
 
-    def __init__(self, policy: DiTPolicy, cfg: DiTRecipe):
+    def __init__(self, policy: DiTPolicy, cfg: DiTRecipe, dp: DataParallel | None = None):
         self.policy = policy
         self.cfg = cfg
+        self.dp = dp or DataParallel()
         self.params = [p for p in policy.transformer.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the transformer has no trainable parameters (model.lora_rank / model config?)")
+        # Every replica starts from rank 0's weights, as DDP does: a LoRA adapter's init is drawn per process.
+        self.dp.broadcast_tensors(self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         # KL reference: the base weights. With LoRA they are the model with its adapter disabled;
         # a full fine-tune needs a frozen copy (memory: one more set of weights).
@@ -64,13 +73,40 @@ class GRPOTrainer:
             finally:
                 tr.enable_adapters()
 
+    @staticmethod
+    def _mine(idx_M: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """This rank's part [lo, hi) of the global minibatch idx_M: global indices, rollout rows, share of M."""
+        mine = idx_M[(idx_M >= lo) & (idx_M < hi)]
+        return mine, mine - lo, len(mine) / len(idx_M)
+
+    def _step(self, grad_norms: list[float]) -> None:
+        """Sum the gradients over ranks, clip them and take one optimizer step."""
+        self.dp.all_reduce_grads(self.params)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
+        grad_norms.append(norm.item())
+        self.optimizer.step()
+
+    def _summary(self, stats: dict[str, list[float]], grad_norms: list[float], num_trained: int) -> dict[str, float]:
+        # Each rank's entries are its weighted shares: summed over ranks they are the global values.
+        stats = self.dp.sum_lists(stats)
+        out_stats = {k: float(np.mean(v)) for k, v in {**stats, "grad_norm": grad_norms}.items() if v}
+        out_stats["num_trained_samples"] = float(num_trained)
+        return out_stats
+
     def update(self, ro: Rollout, adv: Advantages, iteration: int) -> dict[str, float]:
-        """One GRPO update on a rollout whose samples are ordered prompt-major (P groups of G)."""
+        """One GRPO update on a rollout whose samples are ordered prompt-major (P groups of G).
+
+        With data parallelism `ro` holds this rank's slice `dp.shard(P * G)` and `adv` the whole batch.
+        """
         cfg = self.cfg
         traj = ro.trajectory
         adv_B = adv.adv_PG.reshape(-1)
+        lo, hi = self.dp.shard(len(adv_B))
+        assert hi - lo == len(ro.prompts), (lo, hi, len(ro.prompts))
         trainable = torch.nonzero(adv.trainable_PG.reshape(-1)).squeeze(1)
-        stats: dict[str, list[float]] = {"loss": [], "clip_frac": [], "approx_kl_old": [], "kl_ref": [], "grad_norm": []}
+        keys = ["loss", "clip_frac", "approx_kl_old"] + (["kl_ref"] if cfg.train.beta > 0 else [])
+        stats: dict[str, list[float]] = {k: [] for k in keys}
+        grad_norms: list[float] = []
         if len(trainable) == 0:
             return {"num_trained_samples": 0.0}
         batch = encode(self.policy, ro.prompts, cfg.sample.guidance_scale, cfg.sample.negative_prompt)
@@ -82,18 +118,23 @@ class GRPOTrainer:
             gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, iteration, epoch, 7))
             order = trainable[torch.randperm(len(trainable), generator=gen)]
             for start in range(0, len(order), cfg.train.minibatch_size):
-                idx_M = order[start : start + cfg.train.minibatch_size]
-                mb = batch.select(idx_M)
+                idx_M, rows_M, share = self._mine(order[start : start + cfg.train.minibatch_size], lo, hi)
+                mb = batch.select(rows_M)
                 self.optimizer.zero_grad(set_to_none=True)
                 for j in steps:
-                    x_MLC = traj.latents[j][idx_M]
-                    x_next_MLC = traj.latents[j + 1][idx_M]
+                    if len(idx_M) == 0:
+                        # None of this minibatch is on this rank: it adds zero to the sums.
+                        for k in keys:
+                            stats[k].append(0.0)
+                        continue
+                    x_MLC = traj.latents[j][rows_M]
+                    x_next_MLC = traj.latents[j + 1][rows_M]
                     sigma_M = traj.sigmas[j].expand(len(idx_M))
                     v = guided_velocity(self.policy, x_MLC, sigma_M, mb, cfg.sample.guidance_scale)
                     out = stochastic_step(
                         cfg.sample.sde_type, v, x_MLC, traj.sigmas[j], traj.sigmas[j + 1], cfg.sample.noise_level, prev_sample=x_next_MLC
                     )
-                    loss, s = clipped_policy_loss(out.log_prob, traj.log_probs[j][idx_M], adv_B[idx_M], cfg.train.clip_range)
+                    loss, s = clipped_policy_loss(out.log_prob, traj.log_probs[j][rows_M], adv_B[idx_M], cfg.train.clip_range)
                     if cfg.train.beta > 0:
                         with torch.no_grad(), self._reference():
                             v_ref = guided_velocity(self.policy, x_MLC, sigma_M, mb, cfg.sample.guidance_scale)
@@ -102,18 +143,14 @@ class GRPOTrainer:
                             )
                         kl = gaussian_mean_kl(out.mean, ref.mean, out.std).mean()
                         loss = loss + cfg.train.beta * kl
-                        stats["kl_ref"].append(kl.item())
-                    (loss / len(steps)).backward()
-                    stats["loss"].append(loss.item())
-                    stats["clip_frac"].append(s["clip_frac"])
-                    stats["approx_kl_old"].append(s["approx_kl_old"])
-                norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.train.max_grad_norm)
-                stats["grad_norm"].append(norm.item())
-                self.optimizer.step()
+                        stats["kl_ref"].append(share * kl.item())
+                    (loss * share / len(steps)).backward()
+                    stats["loss"].append(share * loss.item())
+                    stats["clip_frac"].append(share * s["clip_frac"])
+                    stats["approx_kl_old"].append(share * s["approx_kl_old"])
+                self._step(grad_norms)
         self.policy.transformer.eval()
-        out_stats = {k: float(np.mean(v)) for k, v in stats.items() if v}
-        out_stats["num_trained_samples"] = float(len(trainable))
-        return out_stats
+        return self._summary(stats, grad_norms, len(trainable))
 
     def _nft_update(self, ro: Rollout, adv: Advantages, batch: PromptBatch, iteration: int) -> dict[str, float]:
         """DiffusionNFT update (Zheng et al. 2025, arXiv 2509.16117, Eq. 6-8) on the final samples.
@@ -135,13 +172,16 @@ class GRPOTrainer:
         schedule = traj.sigmas[:-1]
         num_groups, group_size = adv.adv_PG.shape
         adv_B = adv.adv_PG.reshape(-1)
+        lo, hi = self.dp.shard(len(adv_B))
         trainable = torch.nonzero(adv.trainable_PG.reshape(-1)).squeeze(1)
         # The sampling weights, for v_old after the first optimizer step (a copy only when needed).
         num_steps = tcfg.num_inner_epochs * math.ceil(len(trainable) / tcfg.minibatch_size)
         old = copy.deepcopy(self.policy.transformer).requires_grad_(False).eval() if num_steps > 1 else None
         first_step = True
         r_B = nft_optimality(adv_B, tcfg.nft_adv_max)
-        stats: dict[str, list[float]] = {"loss": [], "grad_norm": [], "nft_pos_err": [], "nft_neg_err": [], "kl_ref": []}
+        keys = ["loss", "nft_pos_err", "nft_neg_err"] + (["kl_ref"] if tcfg.beta > 0 else [])
+        stats: dict[str, list[float]] = {k: [] for k in keys}
+        grad_norms: list[float] = []
         self.policy.transformer.train()
         noise_gen = torch.Generator().manual_seed(derive_seed(tcfg.seed, iteration, 13))
         shape = (tcfg.num_inner_epochs, num_groups, tcfg.nft_num_timesteps)
@@ -151,16 +191,21 @@ class GRPOTrainer:
             gen = torch.Generator().manual_seed(derive_seed(tcfg.seed, iteration, epoch, 11))
             order = trainable[torch.randperm(len(trainable), generator=gen)]
             for start in range(0, len(order), tcfg.minibatch_size):
-                idx_M = order[start : start + tcfg.minibatch_size]
-                mb = batch.select(idx_M)
+                idx_M, rows_M, share = self._mine(order[start : start + tcfg.minibatch_size], lo, hi)
+                mb = batch.select(rows_M)
                 self.optimizer.zero_grad(set_to_none=True)
                 for k in range(tcfg.nft_num_timesteps):
+                    if len(idx_M) == 0:
+                        # None of this minibatch is on this rank: it adds zero to the sums.
+                        for key in keys:
+                            stats[key].append(0.0)
+                        continue
                     # Common random numbers: the samples of one group share their noise level and
                     # noise, so the group-centred weights (2 r - 1) cancel the part of the
                     # flow-matching gradient that does not depend on the sample.
                     group_M = idx_M // group_size
                     sigma_M = sigma_EPK[epoch, group_M, k]
-                    x0 = x0_BLC[idx_M]
+                    x0 = x0_BLC[rows_M]
                     eps = eps_EPKLC[epoch, group_M, k]
                     s = sigma_M.reshape(-1, 1, 1)
                     x_s = (1 - s) * x0 + s * eps
@@ -180,16 +225,12 @@ class GRPOTrainer:
                             v_ref = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
                         kl = (v - v_ref).square().mean()
                         loss = loss + tcfg.beta * kl
-                        stats["kl_ref"].append(kl.item())
-                    (loss / tcfg.nft_num_timesteps).backward()
-                    stats["loss"].append(loss.item())
-                    stats["nft_pos_err"].append(s_nft["nft_pos_err"])
-                    stats["nft_neg_err"].append(s_nft["nft_neg_err"])
-                norm = torch.nn.utils.clip_grad_norm_(self.params, tcfg.max_grad_norm)
-                stats["grad_norm"].append(norm.item())
-                self.optimizer.step()
+                        stats["kl_ref"].append(share * kl.item())
+                    (loss * share / tcfg.nft_num_timesteps).backward()
+                    stats["loss"].append(share * loss.item())
+                    stats["nft_pos_err"].append(share * s_nft["nft_pos_err"])
+                    stats["nft_neg_err"].append(share * s_nft["nft_neg_err"])
+                self._step(grad_norms)
                 first_step = False
         self.policy.transformer.eval()
-        out_stats = {k: float(np.mean(v)) for k, v in stats.items() if v}
-        out_stats["num_trained_samples"] = float(len(trainable))
-        return out_stats
+        return self._summary(stats, grad_norms, len(trainable))
