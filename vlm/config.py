@@ -167,8 +167,12 @@ class TrainConfig:
     """Stop after this much training time (checked between iterations); 0 = no limit."""
     num_threads: int = 0
     """torch CPU threads; 0 keeps torch's default."""
+    schedule: Literal["serial", "rollplex"] = "rollplex"
+    """Phase schedule (design.md §3.5): "serial" runs each phase over the whole sequence; "rollplex" runs the reference and actor prefixes (vision tower + prompt prefill, once per prompt) during decode and only the response suffix after. Same losses up to float order."""
 
     def validate(self) -> None:
+        if self.schedule not in ("serial", "rollplex"):
+            raise ValueError(f"train.schedule must be 'serial' or 'rollplex', got {self.schedule!r}")
         if min(self.minibatch_size, self.micro_batch_size, self.prompts_per_iteration, self.num_inner_epochs) < 1:
             raise ValueError("minibatch_size, micro_batch_size, prompts_per_iteration and num_inner_epochs must be >= 1")
         if self.clip_range <= 0 or self.beta < 0:

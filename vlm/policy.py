@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,36 +37,48 @@ class PromptBatch:
     """(B, L) 1 for real tokens, 0 for left padding."""
     mm_token_type_ids_BL: torch.Tensor
     """(B, L) 0 text, 1 image token (the multimodal rope reads it)."""
-    pixel_values_NC: torch.Tensor
-    """(N, C) flattened vision patches of all images, in row order."""
+    pixel_values_NC: torch.Tensor | None
+    """(N, C) flattened vision patches of all images, in row order (None when only image_outputs is carried)."""
     image_grid_thw_B3: torch.Tensor
     """(B, 3) patch grid (t, h, w) of each row's image."""
+    image_outputs: Any = None
+    """The vision encoder's output for these rows (what `get_image_features` returns, one image per
+    row), computed once elsewhere; when set the model reads it instead of running the tower on
+    pixel_values (the Rollplex schedule shares one prompt's features among its G rows)."""
 
     @property
     def num_rows(self) -> int:
         return self.input_ids_BL.shape[0]
 
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        return {
+    def model_inputs(self) -> dict[str, Any]:
+        inputs = {
             "input_ids": self.input_ids_BL,
             "attention_mask": self.attention_mask_BL,
             "mm_token_type_ids": self.mm_token_type_ids_BL,
-            "pixel_values": self.pixel_values_NC,
             "image_grid_thw": self.image_grid_thw_B3,
         }
+        if self.image_outputs is None:
+            inputs["pixel_values"] = self.pixel_values_NC
+        else:
+            inputs["mm_encoder_outputs"] = {"image": self.image_outputs}
+        return inputs
 
     def select(self, rows: list[int]) -> PromptBatch:
         """The batch of the given rows (in that order); rows may repeat."""
-        counts = self.image_grid_thw_B3.prod(dim=-1)
-        starts = torch.cumsum(counts, 0) - counts
         index = torch.tensor(rows, dtype=torch.long)
-        patch_index = torch.cat([torch.arange(int(starts[r]), int(starts[r] + counts[r])) for r in rows])
+        pixel_values_NC = None
+        if self.pixel_values_NC is not None:
+            counts = self.image_grid_thw_B3.prod(dim=-1)
+            starts = torch.cumsum(counts, 0) - counts
+            patch_index = torch.cat([torch.arange(int(starts[r]), int(starts[r] + counts[r])) for r in rows])
+            pixel_values_NC = self.pixel_values_NC.index_select(0, patch_index.to(self.pixel_values_NC.device))
         return PromptBatch(
             input_ids_BL=self.input_ids_BL[index],
             attention_mask_BL=self.attention_mask_BL[index],
             mm_token_type_ids_BL=self.mm_token_type_ids_BL[index],
-            pixel_values_NC=self.pixel_values_NC.index_select(0, patch_index),
+            pixel_values_NC=pixel_values_NC,
             image_grid_thw_B3=self.image_grid_thw_B3[index],
+            image_outputs=None if self.image_outputs is None else select_image_outputs(self.image_outputs, rows),
         )
 
     def repeat_rows(self, num_repeats: int) -> PromptBatch:
@@ -73,7 +86,26 @@ class PromptBatch:
         return self.select([r for r in range(self.num_rows) for _ in range(num_repeats)])
 
     def to(self, device: torch.device | str) -> PromptBatch:
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if getattr(self, f.name) is not None and f.name != "image_outputs"}
+        if self.image_outputs is not None:
+            moved["image_outputs"] = select_image_outputs(self.image_outputs, range(len(self.image_outputs.pooler_output)), device)
+        return replace(self, **moved)
+
+
+def select_image_outputs(outputs, rows, device: torch.device | str | None = None):
+    """The vision encoder outputs of the given images (rows may repeat), optionally moved to `device`.
+
+    `outputs` is what `get_image_features` returns: `pooler_output` is a tuple of (tokens, D)
+    tensors, one per image, and Qwen3-VL adds `deepstack_features`, one such tuple per layer.
+    """
+
+    def pick(per_image):
+        return tuple(per_image[r] if device is None else per_image[r].to(device) for r in rows)
+
+    picked = {"pooler_output": pick(outputs.pooler_output)}
+    if getattr(outputs, "deepstack_features", None) is not None:
+        picked["deepstack_features"] = [pick(f) for f in outputs.deepstack_features]
+    return type(outputs)(**picked)
 
 
 class VLMPolicy:
@@ -196,8 +228,15 @@ def response_logprobs(
     inputs["attention_mask"] = torch.cat([prompts.attention_mask_BL, response_mask_BT.to(prompts.attention_mask_BL.dtype)], dim=1)
     inputs["mm_token_type_ids"] = torch.cat([prompts.mm_token_type_ids_BL, torch.zeros_like(response_ids_BT)], dim=1)
     # Logits at positions L-1 .. L+T-2 predict the T response tokens; the last one predicts nothing.
-    logits_BTV = model(**inputs, logits_to_keep=num_resp + 1, use_cache=False).logits[:, :-1].float()
-    logp_BTV = torch.log_softmax(mask_banned(logits_BTV, policy.banned_token_ids) / temperature, dim=-1)
+    logits_BTV = model(**inputs, logits_to_keep=num_resp + 1, use_cache=False).logits[:, :-1]
+    return token_logprobs(logits_BTV, response_ids_BT, response_mask_BT, policy.banned_token_ids, temperature)
+
+
+def token_logprobs(
+    logits_BTV: torch.Tensor, response_ids_BT: torch.Tensor, response_mask_BT: torch.Tensor, banned_token_ids: list[int], temperature: float
+) -> torch.Tensor:
+    """(B, T) log-probs of the response tokens from the logits that predict them (0 where the mask is 0)."""
+    logp_BTV = torch.log_softmax(mask_banned(logits_BTV.float(), banned_token_ids) / temperature, dim=-1)
     logp_BT = logp_BTV.gather(-1, response_ids_BT.unsqueeze(-1)).squeeze(-1)
     # Padding after the end token is a banned token (log-prob -inf): zero it, do not multiply.
     return torch.where(response_mask_BT.bool(), logp_BT, torch.zeros_like(logp_BT))

@@ -4,9 +4,11 @@ Read it top to bottom. Every random choice of iteration k (its examples, the sam
 minibatch order) derives from (train.seed, k), so a run resumed from the checkpoint after
 iteration k repeats exactly what the uninterrupted run would have done.
 
-The schedule is the serial one (design.md §3.5): each phase runs the whole model on the whole
-batch in turn. The Rollplex schedule overlaps the prefix work of the reference and old passes
-with the rollout's decode and must give the same losses.
+`train.schedule` picks how the phases run (design.md §3.5). `serial` (`SerialSchedule`, below):
+each phase runs the whole model over [prompt, response] in turn, as veRL and TRL do. `rollplex`
+(`vlm.rollplex.RollplexSchedule`): the response-independent prefix of the reference and actor
+passes runs while the rollout decodes, and the later phases run only the response suffix; the
+losses and gradients are the serial ones up to float order.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from vlm.evaluate import evaluate
 from vlm.grpo import group_advantages, grpo_token_loss
 from vlm.policy import VLMPolicy, load_policy, load_trainable_state, response_logprobs, trainable_state
 from vlm.rewards import CombinedReward
-from vlm.rollout import ENGINES, Rollout
+from vlm.rollout import ENGINES, Rollout, RolloutEngine
 from vlm.task import TrainStream, example_image
 
 
@@ -63,6 +65,27 @@ def batched_logprobs(policy: VLMPolicy, ro: Rollout, temperature: float, micro_b
     return torch.cat(parts)
 
 
+class FullForward:
+    """Training log-probs of the serial schedule: the whole model over [prompt, response] per micro-batch."""
+
+    def __init__(self, policy: VLMPolicy, ro: Rollout, temperature: float):
+        self.policy, self.ro, self.temperature = policy, ro, temperature
+
+    def begin_minibatch(self, rows: list[int]) -> None:
+        """Called before the micro-batches of a minibatch (`rows` index the rollout)."""
+
+    def logprobs(self, rows: list[int]) -> torch.Tensor:
+        """(b, T) log-probs of the given rows, with gradient."""
+        ro = self.ro
+        return response_logprobs(self.policy, ro.prompts.select(rows), ro.response_ids_BT[rows], ro.response_mask_BT[rows], self.temperature)
+
+    def before_step(self) -> None:
+        """Called after the minibatch's backward passes, before clipping."""
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+
 def update(
     policy: VLMPolicy,
     optimizer: torch.optim.Optimizer,
@@ -72,13 +95,17 @@ def update(
     ref_logp_BT: torch.Tensor | None,
     cfg: VLMRecipe,
     iteration: int,
+    *,
+    scorer: FullForward | None = None,
 ) -> dict[str, float]:
     """The policy update of one iteration: epochs x shuffled minibatches, micro-batch gradient accumulation.
 
     `old_logp_BT` None means on-policy (one epoch, one minibatch): the ratio's denominator is the
-    forward's own log-probs, detached.
+    forward's own log-probs, detached. `scorer` computes the training log-probs and applies the
+    step (default `FullForward`; the Rollplex schedule passes its prefix + suffix scorer).
     """
     tc = cfg.train
+    scorer = FullForward(policy, ro, cfg.rollout.temperature) if scorer is None else scorer
     num_rows = ro.prompts.num_rows
     stats: dict[str, list[float]] = {}
     params = [p for p in policy.model.parameters() if p.requires_grad]
@@ -88,11 +115,12 @@ def update(
             mb_rows = order[mb_start : mb_start + tc.minibatch_size]
             mask_all = ro.response_mask_BT[mb_rows]
             optimizer.zero_grad(set_to_none=True)
+            scorer.begin_minibatch(mb_rows)
             loss_total = 0.0
             for mc_start in range(0, len(mb_rows), tc.micro_batch_size):
                 rows = mb_rows[mc_start : mc_start + tc.micro_batch_size]
                 mask_BT = ro.response_mask_BT[rows]
-                logp_BT = response_logprobs(policy, ro.prompts.select(rows), ro.response_ids_BT[rows], mask_BT, cfg.rollout.temperature)
+                logp_BT = scorer.logprobs(rows)
                 old_BT = logp_BT.detach() if old_logp_BT is None else old_logp_BT[rows].to(logp_BT.device)
                 loss, s = grpo_token_loss(
                     logp_BT, old_BT,
@@ -105,11 +133,50 @@ def update(
                 loss_total += loss.item()
                 for k, v in s.items():
                     stats.setdefault(k, []).append(v)
+            scorer.before_step()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
-            optimizer.step()
+            scorer.step(optimizer)
             stats.setdefault("loss", []).append(loss_total)
             stats.setdefault("grad_norm", []).append(float(grad_norm))
     return {k: float(np.mean(v)) for k, v in stats.items()}
+
+
+class SerialSchedule:
+    """The phases one after another, each over the whole sequence (veRL, TRL): the baseline schedule.
+
+    `rows` index the iteration's rollout (row // G is the prompt); `batch` is the rollout of those rows.
+    """
+
+    def __init__(self, policy: VLMPolicy, engine: RolloutEngine, reference: Reference, optimizer: torch.optim.Optimizer, cfg: VLMRecipe):
+        self.policy, self.engine, self.reference, self.optimizer, self.cfg = policy, engine, reference, optimizer, cfg
+
+    def rollout(self, prompts, seed: int) -> Rollout:
+        rc = self.cfg.rollout
+        return self.engine.generate(prompts, rc.group_size, rc.max_new_tokens, rc.temperature, seed=seed)
+
+    def reference_logprobs(self, batch: Rollout, rows: list[int]) -> torch.Tensor:
+        return self.reference.logprobs(batch, self.cfg.rollout.temperature, self.cfg.train.micro_batch_size)
+
+    @torch.no_grad()
+    def old_logprobs(self, batch: Rollout, rows: list[int]) -> torch.Tensor:
+        return batched_logprobs(self.policy, batch, self.cfg.rollout.temperature, self.cfg.train.micro_batch_size)
+
+    def update(self, batch: Rollout, rows: list[int], adv_B: torch.Tensor, old_logp_BT, ref_logp_BT, iteration: int) -> dict[str, float]:
+        return update(self.policy, self.optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, self.cfg, iteration)
+
+    def close(self) -> None:
+        pass
+
+
+def make_schedule(name: str, policy: VLMPolicy, engine: RolloutEngine, reference: Reference, optimizer: torch.optim.Optimizer, cfg: VLMRecipe):
+    """The `train.schedule` of the recipe."""
+    if name == "rollplex":
+        from vlm.rollplex import RollplexSchedule  # imports this module
+
+        return RollplexSchedule(policy, engine, reference, optimizer, cfg)
+    if name == "serial":
+        return SerialSchedule(policy, engine, reference, optimizer, cfg)
+    raise ValueError(f"train.schedule must be 'serial' or 'rollplex', got {name!r}")
 
 
 def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, progress: bool = True) -> dict:
@@ -129,6 +196,7 @@ def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, pr
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
     reward_fn = CombinedReward(cfg.reward.weights)
     stream = TrainStream(cfg.task, seed=tc.seed)
+    schedule = make_schedule(tc.schedule, policy, engine, reference, optimizer, cfg)
 
     start_iter = 0
     latest = find_latest_checkpoint(run_dir) if resume else None
@@ -167,14 +235,14 @@ def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, pr
             # 1. Rollout: G seeded responses per prompt with the current weights.
             examples = stream.batch(it, P)
             prompts = policy.encode([e.question for e in examples], [example_image(e, cfg.task) for e in examples])
-            ro = engine.generate(prompts, G, cfg.rollout.max_new_tokens, cfg.rollout.temperature, seed=derive_seed(tc.seed, it, 0))
+            ro = schedule.rollout(prompts, seed=derive_seed(tc.seed, it, 0))
             t1 = time.monotonic()
             # 2. Verifiable rewards and group-relative advantages (flat groups carry no signal).
             answers = [e.answer for e in examples for _ in range(G)]
             reward = reward_fn(ro.texts, answers)
             adv = group_advantages(reward.total_B.view(P, G), std_mode=tc.adv_std, clip=tc.adv_clip)
             adv_B = adv.adv_PG.reshape(-1)
-            batch = ro
+            batch, rows = ro, list(range(P * G))
             if tc.drop_flat_groups:  # only groups with a reward spread reach the update
                 rows = adv.trainable_PG.any(dim=1).repeat_interleave(G).nonzero().squeeze(1).tolist()
                 batch, adv_B = (ro.select(rows), adv_B[rows]) if rows else (None, None)
@@ -182,16 +250,13 @@ def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, pr
             stats: dict[str, float] = {}
             if batch is not None:
                 # 3. Reference log-probs (KL term), then old log-probs (the ratio's denominator).
-                ref_logp_BT = reference.logprobs(batch, cfg.rollout.temperature, tc.micro_batch_size) if tc.beta > 0 else None
+                ref_logp_BT = schedule.reference_logprobs(batch, rows) if tc.beta > 0 else None
                 t2 = time.monotonic()
-                if on_policy:  # one optimizer step on fresh samples: old == current weights, ratio 1
-                    old_logp_BT = None
-                else:
-                    with torch.no_grad():
-                        old_logp_BT = batched_logprobs(policy, batch, cfg.rollout.temperature, tc.micro_batch_size)
+                # On policy (one optimizer step on fresh samples) old == current weights, ratio 1.
+                old_logp_BT = None if on_policy else schedule.old_logprobs(batch, rows)
                 t3 = time.monotonic()
                 # 4. Policy update.
-                stats = update(policy, optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, cfg, it)
+                stats = schedule.update(batch, rows, adv_B, old_logp_BT, ref_logp_BT, it)
             t4 = time.monotonic()
 
             metrics = {
@@ -221,6 +286,7 @@ def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, pr
                 console.print(f"train.max_minutes={tc.max_minutes} reached after iteration {step}")
                 break
 
+    schedule.close()
     summary = _summary(history, start_iter, time.monotonic() - began, last_ckpt)
     _print_summary(console, summary)
     return summary
