@@ -17,9 +17,10 @@ twice on the same replay, one after the other (`--repeats R`: R such pairs, alte
 scheduler goes first): under `PullScheduler` and under the push baseline
 `PushScheduler` (round robin up front to the workers ready at the start, a lost worker's jobs
 re-pushed round robin to the workers ready then, resuming from their last commit like pull; see
-spot/scheduler.py). Each run starts once the trace's initial nodes have loaded their workers; the
-trace clock and the job stream start together; the run ends when every job has a result (after the
-window the cluster stays as the trace left it).
+spot/scheduler.py; pull also moves a running job from a slower worker to a free faster one
+through a commit, the queue's tail hand-off). Each run starts once the trace's initial nodes have
+loaded their workers; the trace clock and the job stream start together; the run ends when every
+job has a result (after the window the cluster stays as the trace left it).
 
 Reported (one JSON line with --json):
     jobs, preemptions        jobs per run; preemptions replayed during the pull runs
@@ -239,6 +240,7 @@ def one_run(cluster, trace, cls, model, spec, jobs, speeds, args, label, replaye
             "leases": s.leases,
             "revoked": s.revoked,
             "released": s.released,
+            "handoffs": s.handoffs,
             "recomputed_steps": s.recomputed_steps,
             "max_recomputed_steps": s.max_recomputed_steps,
             "stale_results_dropped": s.stale_results,

@@ -19,6 +19,16 @@ worker declared lost is fenced (its pulls get STOP). `spot.scheduler` runs it as
 single-threaded Ray actor, so every call is atomic: a worker killed mid-commit either delivered
 the whole commit or none of it.
 
+Tail hand-off (pull only; `handoff_steps` = N): when a free worker finds nothing pending, it may
+take over a running job from a slower worker. The queue keeps each worker's time per step (from
+the gaps between its reports); if the free worker, resuming from the holder's next reported step,
+would finish the job at least `handoff_margin` of its own steps sooner than the holder, the lease is
+marked. The holder's next `progress` answers HANDOFF; it commits its current step with
+`release=True` (nothing recomputed) and the job waits, reserved for the free worker for
+`reserve_s`, first in line. This is what committed in-flight state buys beyond preemptions: with
+heterogeneous workers the run's last jobs migrate to the fast ones instead of finishing on the
+slowest (a push scheduler has no such move).
+
 Accounting: each lease records the last step its worker reported (`progress`). When a lease ends
 early, the steps past the job's last commit are lost and counted in `recomputed_steps` (a step in
 flight when the worker died, or a report lost with it, is not counted).
@@ -39,8 +49,9 @@ logger = logging.getLogger(__name__)
 
 WAIT, STOP = "wait", "stop"
 """`JobQueue.pull` answers: nothing for this worker now / never again (queue closed or worker fenced)."""
-ACCEPTED, IGNORED, STALE = "accepted", "ignored", "stale"
-"""Acks: applied / harmless no-op (a commit for an older step) / the lease is gone: abandon the job."""
+ACCEPTED, IGNORED, STALE, HANDOFF = "accepted", "ignored", "stale", "handoff"
+"""Acks: applied / harmless no-op (a commit for an older step) / the lease is gone: abandon the job /
+applied, and a faster worker waits for this job: commit the current step with release=True."""
 
 
 # -- jobs and the queue (pure) ------------------------------------------------------------------
@@ -113,6 +124,8 @@ class QueueStats:
     """The most steps lost by one lease."""
     steps_reported: int = 0
     """Steps workers reported done (useful and lost)."""
+    handoffs: int = 0
+    """Running jobs moved from a slower worker to a free faster one (tail hand-off)."""
 
 
 @dataclass
@@ -121,6 +134,8 @@ class _Entry:
     step: int = 0
     latent_LC: Any = None
     assignee: str | None = None
+    reserved_for: tuple[str, float] | None = None
+    """(worker, until): a handed-off job waits for the worker that asked for it, until then."""
     lease: _LeaseState | None = None
     done: bool = False
     num_leases: int = 0
@@ -133,6 +148,10 @@ class _LeaseState:
     worker_id: str
     progress: int
     deadline: float
+    reported_at: float = 0.0
+    """When `progress` last moved (the worker's step time is measured between reports)."""
+    handoff_to: str | None = None
+    """A free worker that will take this job over once its holder releases it."""
 
 
 class JobQueue:
@@ -141,12 +160,29 @@ class JobQueue:
     Args:
         lease_timeout_s: a lease with no message for this long is revoked and its job requeued.
         clock: monotonic time source (tests pass a fake one).
+        handoff_steps: N, the steps of every job, to enable the tail hand-off; 0 disables it.
+        handoff_margin: a hand-off must save at least this many of the free worker's steps.
+        reserve_s: how long a handed-off job waits for the worker that asked for it.
     """
 
-    def __init__(self, *, lease_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        *,
+        lease_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        handoff_steps: int = 0,
+        handoff_margin: float = 2.0,
+        reserve_s: float = 2.0,
+    ):
         if lease_timeout_s <= 0:
             raise ValueError(f"lease_timeout_s must be > 0, got {lease_timeout_s}")
+        if handoff_steps < 0 or handoff_margin < 0 or reserve_s <= 0:
+            raise ValueError("handoff_steps and handoff_margin must be >= 0 and reserve_s > 0")
         self.lease_timeout_s = lease_timeout_s
+        self.handoff_steps = handoff_steps
+        self.handoff_margin = handoff_margin
+        self.reserve_s = reserve_s
+        self._step_s: dict[str, float] = {}  # worker -> seconds per step (moving average)
         self._clock = clock
         self._entries: dict[int, _Entry] = {}
         self._pending: deque[int] = deque()
@@ -180,6 +216,7 @@ class JobQueue:
     def worker_lost(self, worker_id: str) -> list[int]:
         """Fence a dead (or departed) worker and requeue its job from the last commit."""
         self._fenced.add(worker_id)
+        self._forget_handoffs_to(worker_id)
         lost = [ls for ls in self._leases.values() if ls.worker_id == worker_id]
         for ls in lost:
             self._end_lease(ls, revoked=True)
@@ -223,29 +260,61 @@ class JobQueue:
         self.expire()
         for ls in [ls for ls in self._leases.values() if ls.worker_id == worker_id]:
             self._end_lease(ls, revoked=True)
+        now = self._clock()
         for i, job_id in enumerate(self._pending):
             e = self._entries[job_id]
-            if e.job.version == version and e.assignee in (None, worker_id):
+            reserved = e.reserved_for is not None and e.reserved_for[0] != worker_id and e.reserved_for[1] > now
+            if e.job.version == version and e.assignee in (None, worker_id) and not reserved:
                 del self._pending[i]
+                if e.reserved_for is not None and e.reserved_for[0] == worker_id:
+                    self.stats.handoffs += 1
+                self._forget_handoffs_to(worker_id)  # busy again: it takes over nothing else
+                e.reserved_for = None
                 lease_id = self._next_lease_id
                 self._next_lease_id += 1
-                e.lease = _LeaseState(lease_id, job_id, worker_id, e.step, self._clock() + self.lease_timeout_s)
+                e.lease = _LeaseState(lease_id, job_id, worker_id, e.step, now + self.lease_timeout_s, reported_at=now)
                 e.num_leases += 1
                 self._leases[lease_id] = e.lease
                 self.stats.leases += 1
                 return Lease(lease_id, e.job, e.step, e.latent_LC)
+        if self.handoff_steps:
+            self._ask_for_handoff(worker_id)
         return WAIT
 
+    def _forget_handoffs_to(self, worker_id: str) -> None:
+        for ls in self._leases.values():
+            if ls.handoff_to == worker_id:
+                ls.handoff_to = None
+
+    def _ask_for_handoff(self, worker_id: str) -> None:
+        """Mark the running job that `worker_id` (free) would finish soonest relative to its holder."""
+        mine = self._step_s.get(worker_id)
+        if mine is None or any(ls.handoff_to == worker_id for ls in self._leases.values()):
+            return
+        best, best_gain = None, self.handoff_margin * mine
+        for ls in self._leases.values():
+            theirs = self._step_s.get(ls.worker_id)
+            if ls.handoff_to is not None or theirs is None or ls.worker_id == worker_id:
+                continue
+            # The holder finishes its step in flight, commits it and hands over; both then need the rest.
+            left = self.handoff_steps - ls.progress - 1
+            gain = left * (theirs - mine)
+            if left > 0 and gain > best_gain:
+                best, best_gain = ls, gain
+        if best is not None:
+            best.handoff_to = worker_id
+
     def progress(self, lease_id: int, step: int) -> str:
-        """The worker finished `step` steps: renew the lease."""
+        """The worker finished `step` steps: renew the lease; HANDOFF asks it to commit and release."""
         ls = self._live(lease_id)
         if ls is None:
             return STALE
         self._advance(ls, step)
-        return ACCEPTED
+        return HANDOFF if ls.handoff_to is not None else ACCEPTED
 
     def commit(self, lease_id: int, step: int, latent_LC: torch.Tensor, *, release: bool = False) -> str:
-        """Keep (step, latent) as the job's resume point; `release` also hands the job back (a notice).
+        """Keep (step, latent) as the job's resume point; `release` also hands the job back (a notice,
+        or HANDOFF, which a commit without release may answer too).
 
         Idempotent: a commit for a step not newer than the committed one is IGNORED.
         """
@@ -262,7 +331,11 @@ class JobQueue:
             self.stats.commits_ignored += 1
             ack = IGNORED
         if release:
+            if ls.handoff_to is not None:
+                e.reserved_for = (ls.handoff_to, self._clock() + self.reserve_s)
             self._end_lease(ls, revoked=False)
+        elif ls.handoff_to is not None:
+            return HANDOFF  # applied; now release
         return ack
 
     def complete(self, lease_id: int, step: int, latent_LC: torch.Tensor) -> str:
@@ -290,10 +363,15 @@ class JobQueue:
         return ls
 
     def _advance(self, ls: _LeaseState, step: int) -> None:
+        now = self._clock()
         if step > ls.progress:
+            # Time per step of this worker, from consecutive reports (a moving average: speeds drift).
+            per_step = (now - ls.reported_at) / (step - ls.progress)
+            old = self._step_s.get(ls.worker_id)
+            self._step_s[ls.worker_id] = per_step if old is None else 0.7 * old + 0.3 * per_step
             self.stats.steps_reported += step - ls.progress
-            ls.progress = step
-        ls.deadline = self._clock() + self.lease_timeout_s
+            ls.progress, ls.reported_at = step, now
+        ls.deadline = now + self.lease_timeout_s
 
     def _end_lease(self, ls: _LeaseState, *, revoked: bool) -> None:
         """Take a lease back; its job is pending again (first in line) from its last commit."""

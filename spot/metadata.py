@@ -364,7 +364,9 @@ def build_parser():
     """The command line of `python -m spot.metadata` (see `main`)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m spot.metadata", description="Watch IMDSv2 for spot notices; drain this Ray node on one.")
+    p = argparse.ArgumentParser(
+        prog="python -m spot.metadata", description="Watch IMDSv2 for spot notices; drain this Ray node on one."
+    )
     p.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="metadata service base URL")
     p.add_argument("--poll-s", type=float, default=2.0, help="seconds between polls")
     p.add_argument("--address", default="auto", help="Ray cluster address to attach to (for the drain)")

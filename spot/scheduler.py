@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from spot.jobqueue import ACCEPTED, STALE, STOP, WAIT, Job, JobQueue, Lease, QueueStats, Result
+from spot.jobqueue import ACCEPTED, HANDOFF, STALE, STOP, WAIT, Job, JobQueue, Lease, QueueStats, Result
 from spot.localray import SPOT
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,8 @@ class WorkerReport:
     """Results the queue accepted."""
     abandoned: int = 0
     """Jobs dropped because the queue had revoked the lease."""
+    handed_off: int = 0
+    """Jobs committed and handed to a faster free worker (tail hand-off)."""
     left: bool = False
     """It stopped because of a preemption notice (its node is going away)."""
 
@@ -246,11 +248,17 @@ class DenoiseWorker:
                 report.abandoned += ack == STALE
                 return
             if step % self.commit_every == 0:
-                if self._commit(queue, lease, step, latent) == STALE:
-                    report.abandoned += 1
-                    return
+                ack = self._commit(queue, lease, step, latent)
             else:
-                queue.progress.remote(lease.lease_id, step)  # fire and forget: renews the lease
+                ack = ray.get(queue.progress.remote(lease.lease_id, step))  # renews the lease
+            if ack == STALE:
+                report.abandoned += 1
+                return
+            if ack == HANDOFF:
+                # A faster free worker takes the rest: commit this step and hand the job over.
+                ray.get(queue.commit.remote(lease.lease_id, step, latent, release=True))
+                report.handed_off += 1
+                return
 
     def _commit(self, queue, lease: Lease, step: int, latent_LC: torch.Tensor) -> str:
         import ray
@@ -468,9 +476,10 @@ class PullScheduler:
         pool: the workers.
         lease_timeout_s: see `JobQueue`.
         tick_s: the driver's loop period (membership, results).
+        handoff: let a free worker take a running job over from a slower one (`JobQueue`'s tail hand-off).
     """
 
-    def __init__(self, pool: WorkerPool, *, lease_timeout_s: float = 5.0, tick_s: float = 0.1):
+    def __init__(self, pool: WorkerPool, *, lease_timeout_s: float = 5.0, tick_s: float = 0.1, handoff: bool = True):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -481,7 +490,7 @@ class PullScheduler:
         here = ray.get_runtime_context().get_node_id()
         self.queue = ray.remote(JobQueue).options(
             num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
-        ).remote(lease_timeout_s=lease_timeout_s)
+        ).remote(lease_timeout_s=lease_timeout_s, handoff_steps=pool.spec.num_steps if handoff else 0)
         self.results: list[Result] = []
         self._seen: set[int] = set()
         self.duplicated = 0
@@ -568,7 +577,7 @@ class PushScheduler(PullScheduler):
     jobs re-pushed round robin to the workers ready then (from their last commit)."""
 
     def __init__(self, pool: WorkerPool, **kwargs):
-        super().__init__(pool, **kwargs)
+        super().__init__(pool, handoff=False, **kwargs)  # pushed jobs stay where they were pushed
         self._orphaned: list[str] = []  # lost workers whose jobs found nobody to go to
         self.repushed: list[int] = []
         """Ids of the jobs re-pushed so far (a job once per re-push)."""

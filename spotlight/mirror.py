@@ -3,10 +3,11 @@
 A trainer on a spot or on-demand node can lose its disk with the node. With `log.store_url` set,
 every checkpoint `spotlight train` saves is also published to the store (a local folder or
 `s3://bucket/prefix`, `spot.store`) as `checkpoints/step-<N>/`, together with a snapshot of the
-run's `metrics.jsonl` and cost ledger at that step. (The GPU time a lost machine spent after its
-last checkpoint is then missing from the restored ledger: it was never published.) A run started with an empty run directory (a new machine)
-fetches the newest complete checkpoint from the store, verified file by file, and continues from
-it: the resumed run's parameters and metrics are those of an uninterrupted run.
+run's `metrics.jsonl` and cost ledger at that step. A run started with an empty run directory (a
+new machine) fetches the newest complete checkpoint from the store, verified file by file, and
+continues from it: the resumed run's parameters and metrics are those of an uninterrupted run.
+(The GPU time a lost machine spent after its last checkpoint is missing from the restored ledger:
+it was never published.)
 
 Layout in the store::
 

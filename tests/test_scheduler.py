@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from spot.jobqueue import ACCEPTED, IGNORED, STALE, STOP, WAIT, Job, JobQueue
+from spot.jobqueue import ACCEPTED, HANDOFF, IGNORED, STALE, STOP, WAIT, Job, JobQueue
 from spot.replay import busiest_window, window
 from spot.scheduler import (
     DenoiseSpec,
@@ -74,6 +74,64 @@ def test_queue_hands_each_job_out_once_and_delivers_each_result_once():
     assert q.stats.done == 3 and q.stats.stale_results == 3
     q.close()
     assert q.pull("a") == STOP
+
+
+def test_a_free_fast_worker_takes_the_tail_job_over_from_a_slow_one():
+    """Tail hand-off: the slow holder commits its current step and the fast worker resumes from it."""
+    clock = FakeClock()
+    q = JobQueue(clock=clock, handoff_steps=10, lease_timeout_s=100)
+    q.submit(make_jobs(2))
+    slow, fast = q.pull("slow"), q.pull("fast")
+    for step in range(1, 11):  # the fast worker takes 1 s per step, the slow one 4 s
+        clock.now = float(step)
+        if step < 10:
+            assert q.progress(fast.lease_id, step) == ACCEPTED
+        if step % 4 == 0:
+            assert q.progress(slow.lease_id, step // 4) == ACCEPTED
+    assert q.complete(fast.lease_id, 10, latent(10)) == ACCEPTED
+    assert q.pull("fast") == WAIT  # nothing pending: it asks for the slow worker's job
+    clock.now = 12.0
+    assert q.progress(slow.lease_id, 3) == HANDOFF
+    assert q.commit(slow.lease_id, 3, latent(3), release=True) == ACCEPTED
+    assert q.pull("slow") == WAIT  # reserved for the worker that asked
+    took = q.pull("fast")
+    assert (took.job.job_id, took.step) == (slow.job.job_id, 3) and torch.equal(took.latent_LC, latent(3))
+    assert q.complete(took.lease_id, 10, latent(10)) == ACCEPTED
+    assert sorted(r.job_id for r in q.results()) == [0, 1]
+    assert q.stats.handoffs == 1 and q.stats.recomputed_steps == 0
+
+
+def test_no_hand_off_when_it_would_not_pay_or_is_disabled():
+    for handoff_steps, slow_s in ((10, 1.2), (0, 4.0)):  # barely slower / hand-off off (push)
+        clock = FakeClock()
+        q = JobQueue(clock=clock, handoff_steps=handoff_steps, lease_timeout_s=100)
+        q.submit(make_jobs(2))
+        slow, fast = q.pull("slow"), q.pull("fast")
+        clock.now = slow_s
+        q.progress(slow.lease_id, 1)
+        for step in range(1, 11):  # 1 s per step
+            clock.now = float(step)
+            q.progress(fast.lease_id, step)
+        q.complete(fast.lease_id, 10, latent(10))
+        assert q.pull("fast") == WAIT
+        clock.now = 2 * slow_s
+        assert q.progress(slow.lease_id, 2) == ACCEPTED, (handoff_steps, slow_s)
+        assert q.stats.handoffs == 0
+
+
+def test_a_hand_off_to_a_worker_that_died_is_forgotten():
+    clock = FakeClock()
+    q = JobQueue(clock=clock, handoff_steps=10, lease_timeout_s=100)
+    q.submit(make_jobs(2))
+    slow, fast = q.pull("slow"), q.pull("fast")
+    clock.now = 1.0
+    q.progress(fast.lease_id, 1)
+    clock.now = 4.0
+    q.progress(slow.lease_id, 1)
+    q.complete(fast.lease_id, 10, latent(10))
+    assert q.pull("fast") == WAIT
+    q.worker_lost("fast")
+    assert q.progress(slow.lease_id, 2) == ACCEPTED  # the slow worker keeps its job
 
 
 def test_commits_are_idempotent_and_never_move_a_job_back():
@@ -365,8 +423,10 @@ def test_pull_delivers_every_job_once_with_the_uninterrupted_bits(pool, referenc
     sched.close()
     check_exactly_once(report, jobs, reference)
     s = report.stats
-    assert s.leases == 8 and s.revoked == 0 and s.recomputed_steps == 0
-    assert s.commits == 8 * ((NUM_STEPS - 1) // COMMIT_EVERY)
+    # A tail job may move from the slow worker to the fast one (hand-off): one more lease and one
+    # release commit each, nothing recomputed.
+    assert s.leases == 8 + s.handoffs and s.released == s.handoffs and s.revoked == 0 and s.recomputed_steps == 0
+    assert s.commits + s.commits_ignored == 8 * ((NUM_STEPS - 1) // COMMIT_EVERY) + s.handoffs
     assert {r.worker_id for r in report.results} == set(pool.ready())  # both worked
 
 
