@@ -70,7 +70,10 @@ class CheckpointMirror:
             stage = Path(tmp)
             for f in step_dir.iterdir():
                 if f.is_file():
-                    os.link(f, stage / f.name)
+                    try:
+                        os.link(f, stage / f.name)
+                    except OSError:  # a file system without hard links
+                        shutil.copyfile(f, stage / f.name)
             for name in (METRICS_FILE, COST_FILE):
                 if (run_dir / name).is_file():
                     shutil.copyfile(run_dir / name, stage / name)
