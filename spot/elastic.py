@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spot.jobqueue import Job, JobQueue, QueueStats, Result
+from spot.localray import kill_actor
 from spot.scheduler import DenoiseSpec
 from spot.sp_worker import GroupRunReport, SPWorker, WeightsMismatchError
 
@@ -385,18 +386,12 @@ class ElasticPool:
         m.state = state
         self.events.append((time.monotonic(), m.worker_id, state))
         if state == "dead":
-            try:
-                self._ray.kill(m.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone is fine
-                pass
+            kill_actor(self._ray, m.actor)
 
     def close(self) -> None:
         """Kill every worker."""
         for m in self.workers.values():
-            try:
-                self._ray.kill(m.actor, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            kill_actor(self._ray, m.actor)
         self.workers.clear()
         self.groups.clear()
 

@@ -27,3 +27,11 @@ def import_ray_on_loopback():
     if already and ray_constants.ENABLE_RAY_CLUSTER:
         logger.warning("ray was imported before %s=0 was set; nodes may bind to the outward address", _LOOPBACK_ENV)
     return ray
+
+
+def kill_actor(ray, actor) -> None:
+    """`ray.kill` without restart; an actor that is already gone (dead node, killed) is fine."""
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - Ray raises several types for an actor that no longer exists
+        pass

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from spot.jobqueue import ACCEPTED, HANDOFF, STALE, STOP, WAIT, Job, JobQueue, Lease, QueueStats, Result
-from spot.localray import SPOT
+from spot.localray import SPOT, kill_actor
 
 logger = logging.getLogger(__name__)
 
@@ -164,21 +164,13 @@ class DenoiseWorker:
         drain_on_notice: bool = True,
         poll_s: float = 0.05,
     ):
-        from spotlight.policy import load_policy
-        from spotlight.sampling import qwen_image_sigmas
-
-        if commit_every < 1:
-            raise ValueError(f"commit_every must be >= 1, got {commit_every}")
-        torch.set_num_threads(num_threads)
-        _quiet_libraries()
+        self.policy, self.sigmas = load_worker_policy(model, spec, commit_every=commit_every, num_threads=num_threads)
         self.worker_id = worker_id
         self.spec = spec
         self.version = version
         self.commit_every = commit_every
         self.step_s = step_s
         self.poll_s = poll_s
-        self.policy = load_policy(model, trainable=False)
-        self.sigmas = qwen_image_sigmas(spec.num_steps, self.policy.latent_shape[0])
         self._notice = threading.Event()
         self._watcher = None
         if imds_endpoint:
@@ -264,6 +256,19 @@ class DenoiseWorker:
         import ray
 
         return ray.get(queue.commit.remote(lease.lease_id, step, latent_LC))
+
+
+def load_worker_policy(model, spec: DenoiseSpec, *, commit_every: int, num_threads: int):
+    """What a denoising worker sets up once: checked settings, its threads, the policy, the sigmas."""
+    from spotlight.policy import load_policy
+    from spotlight.sampling import qwen_image_sigmas
+
+    if commit_every < 1:
+        raise ValueError(f"commit_every must be >= 1, got {commit_every}")
+    torch.set_num_threads(num_threads)
+    _quiet_libraries()
+    policy = load_policy(model, trainable=False)
+    return policy, qwen_image_sigmas(spec.num_steps, policy.latent_shape[0])
 
 
 def _quiet_libraries() -> None:
@@ -399,10 +404,7 @@ class WorkerPool:
         logger.info("worker %s on node %s lost: %s", w.worker_id, w.node_id[:8], why)
         w.state = "dead"
         events.append((w.worker_id, "died"))
-        try:
-            self._ray.kill(w.actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone is fine
-            pass
+        kill_actor(self._ray, w.actor)
 
     def wait_ready(self, num_workers: int, timeout_s: float) -> list[tuple[str, str]]:
         """Maintain until `num_workers` workers are ready (idle or running); the events seen meanwhile."""
@@ -439,10 +441,7 @@ class WorkerPool:
     def close(self) -> None:
         """Kill every worker."""
         for w in self.workers.values():
-            try:
-                self._ray.kill(w.actor, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            kill_actor(self._ray, w.actor)
         self.workers.clear()
 
 

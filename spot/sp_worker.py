@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from spot.jobqueue import ACCEPTED, STALE, STOP, WAIT, Lease
-from spot.scheduler import DenoiseSpec, _quiet_libraries, denoise_step
+from spot.scheduler import DenoiseSpec, denoise_step, load_worker_policy
 
 logger = logging.getLogger(__name__)
 
@@ -241,23 +241,16 @@ class SPWorker:
         poll_s: float = 0.02,
     ):
         from spotlight.parallel import install_ulysses
-        from spotlight.policy import load_policy
-        from spotlight.sampling import qwen_image_sigmas
 
         t0 = time.monotonic()
-        if commit_every < 1:
-            raise ValueError(f"commit_every must be >= 1, got {commit_every}")
-        torch.set_num_threads(num_threads)
-        _quiet_libraries()
+        self.policy, self.sigmas = load_worker_policy(model, spec, commit_every=commit_every, num_threads=num_threads)
         self.worker_id = worker_id
         self.spec = spec
         self.commit_every = commit_every
         self.step_s = step_s
         self.poll_s = poll_s
-        self.policy = load_policy(model, trainable=False)
         self.ctx = install_ulysses(self.policy.transformer)
         self.sp_policy = _SPPolicy(self.policy, self.ctx)
-        self.sigmas = qwen_image_sigmas(spec.num_steps, self.policy.latent_shape[0])
         self.backend = "nccl" if str(self.policy.device).startswith("cuda") else "gloo"
         self.version: int | None = None
         """Weights version held; None until `fetch_weights` or `copy_weights_from`."""

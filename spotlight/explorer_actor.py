@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from spot.localray import ON_DEMAND, SPOT, import_ray_on_loopback
+from spot.localray import ON_DEMAND, SPOT, import_ray_on_loopback, kill_actor
 from spotlight.config import DiTRecipe
 from spotlight.explore import ExploreJob, ExploreResult
 
@@ -230,10 +230,7 @@ class RayExplorerPool:
         s.dead, s.live = True, False
         self.deaths += 1
         logger.warning("%s", why)
-        try:
-            self._ray.kill(s.actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone is fine
-            pass
+        kill_actor(self._ray, s.actor)
 
     def live(self) -> list[int]:
         return [i for i, s in enumerate(self.slots) if s.live]
@@ -284,10 +281,7 @@ class RayExplorerPool:
     def close(self) -> None:
         try:
             for s in self.slots:
-                try:
-                    self._ray.kill(s.actor, no_restart=True)
-                except Exception:  # noqa: BLE001
-                    pass
+                kill_actor(self._ray, s.actor)
         finally:
             for fn in self._on_close:
                 try:
