@@ -89,9 +89,23 @@ class RewardConfig:
     weights: dict[str, float] = field(default_factory=lambda: {"shapes": 1.0})
     """Reward name -> weight; the total is the weighted sum (see `spotlight.rewards`)."""
     clip_model_path: str = ""
-    """Local CLIP/PickScore folder for the `clip_score` reward."""
+    """Local CLIPModel folder for the `clip_score` and `pickscore` rewards (e.g. yuvalkirstain/PickScore_v1)."""
     clip_processor_path: str = ""
-    """Local folder of the CLIP tokenizer and image processor; empty = clip_model_path."""
+    """Local folder of the CLIP tokenizer and image processor; empty = clip_model_path (PickScore: laion/CLIP-ViT-H-14-laion2B-s32B-b79K)."""
+    pickscore_normalize: bool = False
+    """`pickscore`: map logit_scale * cosine to [0, 1] by s -> (s / logit_scale + 1) / 2; false keeps PickScore's scale."""
+    ocr_model_path: str = ""
+    """Local OCR reader folder (model + processor) for the `ocr` reward: TrOCR-style VisionEncoderDecoder or an image-text-to-text OCR model (e.g. stepfun-ai/GOT-OCR-2.0-hf)."""
+    ocr_max_new_tokens: int = 64
+    """`ocr`: most tokens the reader generates per image."""
+    detector_model_path: str = ""
+    """Local object-detector folder (model + image processor) for the `geneval` reward (e.g. facebook/detr-resnet-50)."""
+    detector_threshold: float = 0.3
+    """`geneval`: least detection score that counts (GenEval: 0.3)."""
+    detector_count_threshold: float = 0.9
+    """`geneval`: least detection score that counts for clauses with an exact count (GenEval: 0.9)."""
+    batch_size: int = 16
+    """Images per forward of a model-based reward (clip_score, pickscore, ocr, geneval)."""
 
     def options(self) -> dict:
         """Every field but the weights: the options `rewards.build_reward` routes to each reward."""

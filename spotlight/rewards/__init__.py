@@ -183,4 +183,4 @@ def build_reward(weights: Mapping[str, float], **options: object) -> CombinedRew
 
 
 # Imported last: each module registers its rewards with `register_reward` defined above.
-from spotlight.rewards import clip, jpeg, shapes  # noqa: E402,F401
+from spotlight.rewards import clip, geneval, jpeg, ocr, shapes  # noqa: E402,F401
