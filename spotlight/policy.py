@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from spotlight.latents import load_codec, pack_latents, unpack_latents
+from spotlight.prompt_cache import PromptCache
 
 # Qwen-Image's prompt template (QwenImagePipeline.prompt_template_encode). The hidden states of the
 # template's system prefix are dropped; the pipeline hard-codes 34 tokens for Qwen's tokenizer, we
@@ -51,7 +52,9 @@ class DiTPolicy:
             raise ValueError(f"model.height/width ({height}x{width}) must be multiples of {2 * down} for this model")
         self.latent_h, self.latent_w = height // down, width // down
         self._drop_idx = len(tokenizer(PROMPT_TEMPLATE.split("{}")[0]).input_ids)
-        self._prompt_cache: dict[str, torch.Tensor] = {}
+        self.prompt_cache = PromptCache(self._encode_uncached, self._encoder_fingerprint)
+        """Prompt embeddings of the current training step (`prompt_cache.py`); the driver opens and
+        closes the step. `benchmarks/dit_prompt_prefix.py` swaps in `UncachedPrompts`."""
 
     @classmethod
     def load(
@@ -104,26 +107,29 @@ class DiTPolicy:
 
     @torch.no_grad()
     def _encode_uncached(self, prompts: list[str]) -> list[torch.Tensor]:
-        """Per prompt (T_i, D) hidden states, as QwenImagePipeline._get_qwen_prompt_embeds."""
+        """Per prompt (T_i, D) hidden states, as QwenImagePipeline._get_qwen_prompt_embeds; one encoder call."""
         texts = [PROMPT_TEMPLATE.format(p) for p in prompts]
         tokens = self.tokenizer(texts, padding=True, return_tensors="pt").to(self.device)
         out = self.text_encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True)
         hidden_BTD = out.hidden_states[-1]
         lengths = tokens.attention_mask.sum(dim=1).tolist()
-        # Right padding: the valid tokens of each row come first.
-        return [hidden_BTD[i, self._drop_idx : n].float().cpu() for i, n in enumerate(lengths)]
+        # Right padding: the valid tokens of each row come first. A copy per prompt, so that a held
+        # embedding does not keep the whole batch's hidden states alive.
+        return [hidden_BTD[i, self._drop_idx : n].to("cpu", torch.float32, copy=True) for i, n in enumerate(lengths)]
+
+    def _encoder_fingerprint(self) -> tuple:
+        """Changes whenever the text encoder's weights do (replaced, trained, or loaded in place)."""
+        return id(self.text_encoder), tuple((id(p), p._version) for p in self.text_encoder.parameters())
 
     def encode_prompts(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt embeddings (B, T, D) and mask (B, T); the frozen encoder's output is cached per prompt.
+        """Prompt embeddings (B, T, D) and mask (B, T), through `prompt_cache`.
 
-        T is `max_text_tokens` when set (fixed padding keeps a sample's computation independent of
-        the other prompts in its batch), else the longest prompt in the batch (the pipeline's way).
+        Inside a training step each distinct prompt is encoded once and shared by its samples and
+        every phase; outside one, once per call. T is `max_text_tokens` when set (fixed padding
+        keeps a sample's computation independent of the other prompts in its batch), else the
+        longest prompt in the batch (the pipeline's way).
         """
-        missing = sorted({p for p in prompts if p not in self._prompt_cache})
-        if missing:
-            for p, emb in zip(missing, self._encode_uncached(missing)):
-                self._prompt_cache[p] = emb
-        embs = [self._prompt_cache[p] for p in prompts]
+        embs = self.prompt_cache.lookup(prompts)
         longest = max(e.shape[0] for e in embs)
         length = self.max_text_tokens or longest
         if longest > length:

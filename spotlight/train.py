@@ -179,6 +179,9 @@ def _train(
             if cfg.explore.mode != "none":
                 seeds = dp.broadcast_object(seeds)  # only rank 0 holds the explorers
             t_ro = time.monotonic()
+            # The step's prompts are encoded once here and held until the update is done: the
+            # rollout and the update (all G samples, every minibatch) read them (prompt_cache.py).
+            policy.prompt_cache.begin_step(prompts[lo:hi])
             ro = rollout(
                 policy, prompts[lo:hi], seeds[lo:hi], sigmas,
                 noise_level=cfg.sample.noise_level,
@@ -203,6 +206,7 @@ def _train(
             # 5. Policy update on the stochastic steps.
             stats = trainer.update(ro, adv, it)
             t3 = time.monotonic()
+            encoder = policy.prompt_cache.end_step()
             # 6. Take the exploration results that are ready; never wait for an explorer.
             if exploration is not None:
                 exploration.collect(it, t3 - t_up)
@@ -219,6 +223,7 @@ def _train(
                 "time/rollout_s": t1 - t_ro,
                 "time/reward_s": t2 - t1,
                 "time/update_s": t3 - t_up,
+                **encoder.metrics(),
                 **(exploration.metrics() if exploration is not None else {}),
                 "time/iteration_s": time.monotonic() - t0,
             }
