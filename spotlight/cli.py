@@ -173,6 +173,27 @@ def cmd_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from spotlight.report import write_report
+
+    if args.items:
+        raise ValueError(f"report takes a run directory and no overrides, got {' '.join(args.items)}")
+    print(write_report(args.run_dir, args.out))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from spotlight.plan import plan_json, plan_recipe, print_plan
+
+    recipe, overrides = _split_recipe(args)
+    plan = plan_recipe(recipe, overrides, gpus=args.gpus, gpu_mem_gib=args.gpu_mem)
+    if args.json:
+        print(plan_json(plan))
+    else:
+        print_plan(plan)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spotlight", description="RL post-training of generative models on spot GPUs.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -208,11 +229,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("config", "Print the resolved recipe as YAML (or every field with --describe).", cmd_config)
     p.add_argument("--describe", action="store_true", help="list every field with its type, default and doc")
 
+    help_text = "Estimate GPU memory per role (trainer, rollout, explorer) of a DiT or VLM recipe, and settings that fit."
+    p = command("plan", help_text, cmd_plan)
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of the trainer's node (default: 1)")
+    p.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB (default: 80)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
     help_text = "Print a run's GPU cost per pool (on-demand, spot), its total and the saving over on-demand only."
     p = sub.add_parser("cost", help=help_text, description=help_text)
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (its cost.json)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(fn=cmd_cost, items=[], loads_models=False)
+
+    help_text = "Write a self-contained HTML report (and its PNGs) of a run directory: curves, images, planner, nodes, cost, config."
+    p = sub.add_parser("report", help=help_text, description=help_text)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (its metrics.jsonl, images/, explore.jsonl, cost.json, config.yaml)")
+    p.add_argument("--out", help="output folder (default: RUN_DIR/report); the page is OUT/index.html")
+    p.set_defaults(fn=cmd_report, items=[], loads_models=False)
 
     from vlm.cli import add_subcommands as add_vlm_commands  # `spotlight vlm train|eval|warmstart|config`
 
