@@ -55,16 +55,8 @@ def main() -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", type=Path, help="trace file (any format spot.traces reads)")
     src.add_argument("--synthetic", action="store_true", help="a seeded synthetic trace instead")
-    p.add_argument("--notice-s", type=float, default=0.0, help="notice lead in trace seconds (0: no notice)")
-    p.add_argument("--compress", type=float, default=40.0, help="trace seconds per wall second")
-    p.add_argument("--window-s", type=float, default=2400.0, help="stretch of the trace to replay, trace seconds")
+    add_replay_arguments(p)
     p.add_argument("--start-s", type=float, default=None, help="start of the stretch; default: the busiest")
-    p.add_argument("--nodes", type=int, default=3, help="peak spot nodes (each one CPU, one worker)")
-    p.add_argument("--speeds", default="1,0.5", help="worker speeds, cycled over trace nodes node-0, node-1, ...")
-    p.add_argument("--step-s", type=float, default=0.05, help="wall time of one step at speed 1")
-    p.add_argument("--steps", type=int, default=10, help="denoising steps per job")
-    p.add_argument("--commit-every", type=int, default=4, help="m: commit every m steps")
-    p.add_argument("--jobs", type=int, default=0, help="jobs per run; 0: about what pull finishes in the window")
     p.add_argument("--timeout-s", type=float, default=600.0, help="give up a run after this long")
     p.add_argument("--seed", type=int, default=0, help="seed of the jobs (and of the synthetic trace)")
     p.add_argument("--repeats", type=int, default=1, help="pull/push run pairs, alternating which goes first")
@@ -85,6 +77,19 @@ def main() -> None:
     if not args.json:
         print(summary(result), file=sys.stderr)
     print(line, file=out, flush=True)
+
+
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    """The replay and workload options this benchmark shares with calibrate_simulator.py."""
+    p.add_argument("--notice-s", type=float, default=0.0, help="notice lead in trace seconds (0: no notice)")
+    p.add_argument("--compress", type=float, default=40.0, help="trace seconds per wall second")
+    p.add_argument("--window-s", type=float, default=2400.0, help="stretch of the trace to replay, trace seconds")
+    p.add_argument("--nodes", type=int, default=3, help="peak spot nodes (each one CPU, one worker)")
+    p.add_argument("--speeds", default="1,0.5", help="worker speeds, cycled over trace nodes node-0, node-1, ...")
+    p.add_argument("--step-s", type=float, default=0.05, help="wall time of one step at speed 1")
+    p.add_argument("--steps", type=int, default=10, help="denoising steps per job")
+    p.add_argument("--commit-every", type=int, default=4, help="m: commit every m steps")
+    p.add_argument("--jobs", type=int, default=0, help="jobs per run; 0: sized to the window")
 
 
 def fit_trace(args):
@@ -136,8 +141,8 @@ def size_jobs(trace, speeds: list[float], args, startup_s: float = 8.0) -> int:
 
 
 def run(trace, speeds: list[float], num_jobs: int, args) -> dict:
-    from spot.replay import NODE_LABEL, ReplayCluster, TraceReplayer
     from spot.jobqueue import Job
+    from spot.replay import ReplayCluster
     from spot.scheduler import DenoiseSpec, PullScheduler, PushScheduler
     from spotlight.config import ModelConfig
     from spotlight.rewards.shapes import all_prompts
@@ -157,7 +162,7 @@ def run(trace, speeds: list[float], num_jobs: int, args) -> dict:
         for rep in range(args.repeats):
             # Alternate the order so that drift of a shared, noisy machine hits both schedulers alike.
             for name in ("pull", "push") if rep % 2 == 0 else ("push", "pull"):
-                one = one_run(cluster, trace, schedulers[name], model, spec, jobs, speeds, args, NODE_LABEL, TraceReplayer)
+                one = one_run(cluster, trace, schedulers[name], model, spec, jobs, speeds, args)
                 runs[name].append(one)
                 logging.info("%s #%d: %s", name, rep, {k: v for k, v in one.items() if k != "latents"})
     finally:
@@ -189,43 +194,17 @@ def run(trace, speeds: list[float], num_jobs: int, args) -> dict:
     }
 
 
-def one_run(cluster, trace, cls, model, spec, jobs, speeds, args, label, replayer_cls) -> dict:
-    from spot.scheduler import WorkerPool
+def one_run(cluster, trace, cls, model, spec, jobs, speeds, args) -> dict:
+    from spot.replay import TraceReplayer
 
-    replayer = replayer_cls(cluster, trace, fake_imds=args.notice_s > 0)
+    replayer = TraceReplayer(cluster, trace, fake_imds=args.notice_s > 0)
     pool = None
     sched = None
     try:
-        initial = replayer.add_initial()
-
-        def node_kwargs(node: dict) -> dict:
-            name = node["Labels"][label]
-            return {"step_s": args.step_s / node_speed(name, speeds), "imds_endpoint": replayer.imds_url(name)}
-
-        pool = WorkerPool(
-            model, spec, worker_kwargs={"commit_every": args.commit_every, "imds_poll_s": 0.2}, node_kwargs=node_kwargs
-        )
-        pool.wait_ready(len(initial), timeout_s=300)
+        pool = start_pool(replayer, model, spec, speeds, args)
         sched = cls(pool)
         sched.submit(jobs)
-        # The scheduler runs on a thread; the replayer on this one (Ray starts nodes from the main thread).
-        done, box = threading.Event(), {}
-
-        def drive():
-            try:
-                box["report"] = sched.run(timeout_s=args.timeout_s)
-            except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
-                box["error"] = err
-            finally:
-                done.set()
-
-        driver = threading.Thread(target=drive, name="scheduler")
-        driver.start()
-        replayer.run(stop=done)
-        driver.join()  # ends on its own: every job delivered, or its timeout
-        if "error" in box:
-            raise box["error"]
-        report = box["report"]
+        report = run_on_replay(sched, replayer, args.timeout_s)
         preemptions = replayer.num_preemptions
         notices = sum(ev.kind == "notice" for ev in replayer.applied)
         s = report.stats
@@ -256,6 +235,48 @@ def one_run(cluster, trace, cls, model, spec, jobs, speeds, args, label, replaye
         if pool is not None:
             pool.close()
         replayer.remove_all()
+
+
+def start_pool(replayer, model, spec, speeds: list[float], args, on_node=None):
+    """Add the trace's initial nodes and a `WorkerPool` on them (speeds by node name, a fake metadata
+    endpoint each when the replay gives notices); returns once their workers are ready.
+    `on_node(ray_node_id, trace_name)` is called as each node gets a worker."""
+    from spot.replay import NODE_LABEL
+    from spot.scheduler import WorkerPool
+
+    initial = replayer.add_initial()
+
+    def node_kwargs(node: dict) -> dict:
+        name = node["Labels"][NODE_LABEL]
+        if on_node is not None:
+            on_node(node["NodeID"], name)
+        return {"step_s": args.step_s / node_speed(name, speeds), "imds_endpoint": replayer.imds_url(name)}
+
+    pool = WorkerPool(model, spec, worker_kwargs={"commit_every": args.commit_every, "imds_poll_s": 0.2}, node_kwargs=node_kwargs)
+    pool.wait_ready(len(initial), timeout_s=300)
+    return pool
+
+
+def run_on_replay(sched, replayer, timeout_s: float):
+    """Run the scheduler (jobs submitted) on a thread while the trace replays on this one (Ray starts
+    nodes from the main thread); its `RunReport` once every job is delivered or `timeout_s` passed."""
+    done, box = threading.Event(), {}
+
+    def drive():
+        try:
+            box["report"] = sched.run(timeout_s=timeout_s)
+        except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
+            box["error"] = err
+        finally:
+            done.set()
+
+    driver = threading.Thread(target=drive, name="scheduler")
+    driver.start()
+    replayer.run(stop=done)
+    driver.join()  # ends on its own: every job delivered, or its timeout
+    if "error" in box:
+        raise box["error"]
+    return box["report"]
 
 
 def _combined(runs: list[dict]) -> dict:

@@ -225,6 +225,11 @@ class TraceReplayer:
             self._next += 1
         stop.wait(max(0.0, self._t0 + self.trace.duration_s - time.monotonic()))
 
+    @property
+    def started_at(self) -> float | None:
+        """`time.monotonic()` when the trace's clock started (None before `run`)."""
+        return self._t0
+
     def elapsed_s(self) -> float:
         return 0.0 if self._t0 is None else time.monotonic() - self._t0
 

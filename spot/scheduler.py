@@ -126,6 +126,8 @@ class WorkerReport:
     """Jobs committed and handed to a faster free worker (tail hand-off)."""
     left: bool = False
     """It stopped because of a preemption notice (its node is going away)."""
+    busy_s: float = 0.0
+    """Seconds spent running jobs (steps and the queue calls between them), not waiting for one."""
 
 
 class DenoiseWorker:
@@ -211,7 +213,9 @@ class DenoiseWorker:
                 self._notice.wait(self.poll_s)
                 continue
             assert isinstance(lease, Lease), lease
+            t0 = time.monotonic()
             self._run_job(queue, lease, report)
+            report.busy_s += time.monotonic() - t0
         report.left = True
         return report
 
@@ -527,6 +531,11 @@ class PullScheduler:
         if event in ("died", "left"):
             # Fence it and requeue its job (a departed worker already handed its job back).
             self._ray.get(self.queue.worker_lost.remote(worker_id))
+
+    @property
+    def started_at(self) -> float | None:
+        """`time.monotonic()` at the first submission (the zero of `RunReport`'s times)."""
+        return self._t0
 
     @property
     def done(self) -> bool:

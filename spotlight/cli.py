@@ -1,7 +1,9 @@
-"""The `spotlight` command: train, eval, sample, pretrain, config, cost.
+"""The `spotlight` command: train, eval, sample, pretrain, config, cost, report, plan, simulate, vlm.
 
-Every subcommand but `cost` takes an optional recipe (a YAML file; none = the embedded tiny-shapes
-default) followed by dotted overrides such as `train.lr=3e-4`; `cost` reads a run directory.
+train, eval, sample, pretrain and config take an optional recipe (a YAML file; none = the embedded
+tiny-shapes default) followed by dotted overrides such as `train.lr=3e-4`; `cost` and `report` read
+a run directory; `plan` sizes a recipe's memory; `simulate` (spot/sim/cli.py) replays a policy on a
+spot trace; `vlm ...` is the VLM path (vlm/cli.py).
 """
 
 from __future__ import annotations
@@ -250,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     from vlm.cli import add_subcommands as add_vlm_commands  # `spotlight vlm train|eval|warmstart|config`
 
     add_vlm_commands(sub)
+    from spot.sim.cli import add_subcommands as add_simulate_command  # `spotlight simulate`
+
+    add_simulate_command(sub)
     return parser
 
 

@@ -1,0 +1,95 @@
+"""Paper-scale simulation: cost and time to target of Spotlight against on-demand only, per trace.
+
+For each trace and each cluster size (default: 4 on-demand + 8 spot GPUs, and 8 + 24 = 32 GPUs),
+`spot.sim` simulates the Qwen-Image 512 profile (`spot/sim/profile.py`, every value's assumption
+written there) under the policies on-demand only, inline exploration, Spotlight and disaggregated
+rollout, with the recorded reward table of a real tiny run (benchmarks/data/tiny-shapes-rewards.npz)
+as the learning model and the real bandit planner. Spot GPUs cost the on-demand price times
+(1 - discount), 70% off by default. Two on-demand baselines, since the paper's is not pinned down:
+
+    same GPUs       on-demand only with as many GPUs as Spotlight holds at peak (trainer + spot)
+    trainer GPUs    on-demand only with Spotlight's trainer GPUs alone (what spot capacity is added to)
+
+Prints one JSON line per trace:
+    {"trace": ..., "cost_ratio_vs_ondemand": ..., "time_to_target_ratio_vs_ondemand": ...,
+     "spot_utilisation": ...,                        # Spotlight at the first size, same-GPUs baseline
+     "sizes": {"4+8": {...per baseline and policy...}, "8+24": {...}}}
+
+    .venv/bin/python benchmarks/simulate_paper.py --trace traces/parcae-p3-aws.csv --json
+    .venv/bin/python benchmarks/simulate_paper.py --all --json          # every shipped trace
+    .venv/bin/python benchmarks/simulate_paper.py --all --profile qwen-image-1280 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from planners import load_reward_table  # noqa: E402
+from spot.sim import POLICIES, Setup, compare, load_profile, simulate  # noqa: E402
+from spot.traces import load_trace  # noqa: E402
+
+SHIPPED = ("parcae-p3-aws.csv", "parcae-aws-hh_55_65.jsonl", "bamboo-g4dn-us-east-1c.csv")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", type=Path, action="append", help="trace file (repeatable)")
+    src.add_argument("--all", action="store_true", help="every trace shipped in traces/")
+    p.add_argument("--profile", default="qwen-image-512", help="built-in profile or profile file")
+    p.add_argument("--sizes", default="4+8,8+24", help="trainer+spot GPU counts, comma separated")
+    p.add_argument("--spot-discount", type=float, default=0.7)
+    p.add_argument("--table", type=Path, default=ROOT / "benchmarks/data/tiny-shapes-rewards.npz")
+    p.add_argument("--json", action="store_true", help="only the JSON lines")
+    args = p.parse_args()
+    traces = [ROOT / "traces" / name for name in SHIPPED] if args.all else args.trace
+    profile = load_profile(args.profile)
+    table = load_reward_table(args.table)
+    sizes = [tuple(int(x) for x in s.split("+")) for s in args.sizes.split(",")]
+    for path in traces:
+        line = one_trace(path, profile, table, sizes, args.spot_discount)
+        if not args.json:
+            for size, row in line["sizes"].items():
+                s = row["same_gpus"]["spotlight"]
+                print(f"{path.name} {size}: cost x{s['cost_ratio_vs_ondemand']}, time x{s['time_to_target_ratio_vs_ondemand']}, "
+                      f"vs trainer GPUs only: cost x{row['trainer_gpus']['spotlight']['cost_ratio_vs_ondemand']}, "
+                      f"time x{row['trainer_gpus']['spotlight']['time_to_target_ratio_vs_ondemand']}", file=sys.stderr)  # fmt: skip
+        print(json.dumps(line), flush=True)
+
+
+def one_trace(path: Path, profile, table, sizes, discount: float) -> dict:
+    full = load_trace(path).trimmed()
+    out = {"trace": path.name, "profile": profile.name, "spot_discount": discount, "sizes": {}}
+    for trainer, spot in sizes:
+        trace = full.rescaled(spot)
+        setup = Setup(profile=profile, trace=trace, table=table, trainer_gpus=trainer, baseline_gpus=trainer + spot,
+                      spot_discount=discount)  # fmt: skip
+        results = {name: simulate(name, setup) for name in POLICIES}
+        same = compare(results)
+        # The trainer-only baseline: on-demand with the trainer GPUs alone.
+        small = Setup(**{**setup.__dict__, "baseline_gpus": trainer})
+        trainer_only = compare({"ondemand": simulate("ondemand", small), **{k: v for k, v in results.items() if k != "ondemand"}})
+        keys = ("cost_ratio_vs_ondemand", "time_to_target_ratio_vs_ondemand", "spot_utilisation", "wall_s", "cost_usd",
+                "iterations", "preemptions", "work_lost_gpu_s", "fallback_prompts", "mean_budget_samples")  # fmt: skip
+        out["sizes"][f"{trainer}+{spot}"] = {
+            "same_gpus": {n: {k: r.get(k) for k in keys} for n, r in same.items()},
+            "trainer_gpus": {n: {k: r.get(k) for k in keys[:3]} for n, r in trainer_only.items()},
+        }
+    first = out["sizes"][f"{sizes[0][0]}+{sizes[0][1]}"]["same_gpus"]["spotlight"]
+    return {
+        "trace": out["trace"],
+        "cost_ratio_vs_ondemand": first["cost_ratio_vs_ondemand"],
+        "time_to_target_ratio_vs_ondemand": first["time_to_target_ratio_vs_ondemand"],
+        "spot_utilisation": first["spot_utilisation"],
+        **{k: v for k, v in out.items() if k != "trace"},
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""The iteration loop of each simulated policy, and the learning model that turns exploration into
+fewer iterations to the target.
+
+Policies (all run P x G rollout trajectories per iteration through the real pull queue, then score,
+then update on the trainer GPUs; the update's GPU-seconds are split over the trainer GPUs):
+
+    ondemand       `baseline_gpus` on-demand GPUs do everything; random seeds (plain Flow-GRPO).
+    inline         the same GPUs, and before each rollout they explore candidate seeds with the
+                   fresh weights, on the critical path (the real planner chooses; budget below).
+    spotlight      `trainer_gpus` on-demand GPUs plus the spot pool of the trace. The rollout runs
+                   on both (pull scheduler, commits, hand-off); while the trainer updates, the spot
+                   workers explore the next batch's seeds with the previous weights, within the
+                   planner's budget (predicted update time x spot throughput, as `spotlight.explore`
+                   computes it); what is not done when the update ends is cut (a fallback).
+                   Elastic SP where the profile uses SP.
+    disaggregated  rollout on the spot pool only, update on the trainer GPUs; random seeds.
+
+Learning model. GRPO learns from the reward variance inside groups. Each simulated iteration maps
+to an iteration of a reward table recorded from a real run (`planners.tables`): candidate rewards
+per prompt in exploration order. A prompt trained on random seeds carries the variance of its
+first G candidates; explored with n > G candidates it carries the variance of the contrast group
+`select_contrast` picks among the first n (`planners.captured_variance`). With stale weights only a
+share `stale_retention` of that gain holds under the fresh weights (Kendall tau of stale vs fresh
+rankings, benchmarks/stale_ranking.py). An iteration's progress is its captured variance over the
+table's mean random-seed variance, so plain GRPO advances ~1 per iteration and the target is
+`iterations_to_target` units. The assumption that progress is linear in captured variance is ours
+(a normalised-advantage update's expected improvement grows with the fraction of informative
+groups); the reported speed-ups inherit it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planners import Observation, RewardTable, build_planner, captured_variance
+from spot.cost import cost_usd
+from spot.jobqueue import Job
+from spot.sim.engine import Cluster, EventLoop
+from spot.sim.profile import Profile
+from spot.traces import Trace
+
+POLICIES = ("ondemand", "inline", "spotlight", "disaggregated")
+
+
+@dataclass
+class Setup:
+    """What every policy of one comparison shares."""
+
+    profile: Profile
+    trace: Trace | None
+    """Spot capacity in seconds, one GPU per trace node (already rescaled to the spot pool size)."""
+    table: RewardTable
+    trainer_gpus: int
+    """On-demand GPUs of spotlight and disaggregated."""
+    baseline_gpus: int
+    """On-demand GPUs of ondemand and inline (default: trainer + peak spot GPUs)."""
+    on_demand_usd_per_gpu_hour: float = 4.0
+    spot_prices: list[list[float]] | None = None
+    """[[t_s, usd_per_gpu_hour], ...] from the run's start; None: on-demand x (1 - spot_discount)."""
+    spot_discount: float = 0.7
+    planner: str = "bandit"
+    elastic: bool = True
+    handoff: bool = True
+    seed: int = 0
+    max_iterations: int = 100_000
+
+    def __post_init__(self):
+        if self.table.group_size not in (None, self.profile.group_size):
+            raise ValueError(
+                f"the reward table was recorded with group size {self.table.group_size}, the profile uses "
+                f"{self.profile.group_size}; use a table of the same G"
+            )
+        if self.trainer_gpus < self.profile.min_sp_degree or self.baseline_gpus < self.profile.min_sp_degree:
+            raise ValueError(f"need at least min_sp_degree={self.profile.min_sp_degree} on-demand GPUs")
+        if not 0 <= self.spot_discount < 1:
+            raise ValueError(f"spot_discount must be in [0, 1), got {self.spot_discount}")
+
+
+class Learning:
+    """Prompts and reward variance of each simulated iteration, from a reward table."""
+
+    def __init__(self, table: RewardTable, profile: Profile):
+        self.table, self.G, self.P = table, profile.group_size, profile.prompts_per_iteration
+        per_prompt = [captured_variance(r, 0, self.G) for it in table.iterations for r in it.values()]
+        self.base_mean = float(np.mean(per_prompt))
+        if not self.base_mean > 0:
+            raise ValueError(f"reward table {table.source!r}: random groups carry no variance; nothing to learn from")
+
+    def prompts(self, k: int) -> dict[str, np.ndarray]:
+        """The P prompts of iteration k (consecutive table iterations, repeated), id -> candidate rewards."""
+        out: dict[str, np.ndarray] = {}
+        j = 0
+        its = self.table.iterations
+        while len(out) < self.P:
+            it = its[(k * math.ceil(self.P / len(its[0])) + j) % len(its)]
+            for pid, r in it.items():
+                if len(out) < self.P:
+                    out[pid if pid not in out else f"{pid}#{j}"] = r
+            j += 1
+        return out
+
+    def progress(self, prompts: dict[str, np.ndarray], explored: dict[str, int], retention: float) -> float:
+        """Progress units of an iteration whose prompts were explored with `explored[p]` candidates."""
+        total = 0.0
+        for p, r in prompts.items():
+            base = captured_variance(r, 0, self.G)
+            total += base + retention * (captured_variance(r, explored.get(p, 0), self.G) - base)
+        return total / (len(prompts) * self.base_mean)
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    wall_s: float
+    """Time to the target."""
+    iterations: int
+    cost_usd: float
+    cost_on_demand_usd: float
+    cost_spot_usd: float
+    on_demand_utilisation: float
+    spot_utilisation: float | None
+    """Busy over held spot GPU-seconds (None without a spot pool)."""
+    work_lost_gpu_s: float
+    """Spot GPU-seconds of steps lost to preemptions (recomputed, or in flight at a death)."""
+    explore_cut_gpu_s: float
+    preemptions: int
+    notices: int
+    recomputed_steps: int
+    handoffs: int
+    fallback_prompts: int
+    """Prompts planned for exploration that trained on random seeds (too few candidates done)."""
+    mean_budget_samples: float
+    mean_rollout_s: float
+    mean_iteration_s: float
+    spot_gpu_s_held: float
+    spot_gpu_s_busy: float
+    series: dict = field(default_factory=dict)
+    """Per-iteration end times and cumulative progress; the spot timeline (for plots)."""
+
+    def summary(self) -> dict:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items() if k != "series"}
+
+
+def simulate(policy: str, setup: Setup, *, progress_cb=None) -> PolicyResult:
+    """Run `policy` until the learning target is reached; see the module docstring."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
+    p = setup.profile
+    loop = EventLoop()
+    uses_spot = policy in ("spotlight", "disaggregated")
+    trainer_gpus = setup.trainer_gpus if uses_spot else setup.baseline_gpus
+    cluster = Cluster(
+        loop, p, setup.trace if uses_spot else None, on_demand_gpus=trainer_gpus, elastic=setup.elastic, handoff=setup.handoff
+    )
+    learning = Learning(setup.table, p)
+    explores = policy in ("inline", "spotlight")
+    planner = build_planner(setup.planner, seed=setup.seed) if explores else None
+    pools = {"ondemand": (False,), "inline": (False,), "spotlight": (False, True), "disaggregated": (True,)}[policy]
+    retention = p.stale_retention if policy == "spotlight" else 1.0
+    update_s = p.update_gpu_s / trainer_gpus
+    reward_s = p.reward_gpu_s_per_sample * p.samples_per_iteration / trainer_gpus
+    # inline explores as many candidates as spotlight's planner gets with the whole spot pool during
+    # its update (on trainer_gpus), but on its own GPUs, before the rollout.
+    peak_spot = setup.trace.num_nodes_max if setup.trace is not None else 0
+    per_gpu_rate = p.samples_per_job / (p.steps_per_candidate * p.step_s(p.sp_degree)) / p.sp_degree
+    inline_budget = math.floor(p.update_gpu_s / setup.trainer_gpus * peak_spot * per_gpu_rate)
+    cap = max(setup.table.max_candidates(k) for k in range(len(setup.table.iterations)))
+
+    next_job = 0
+    explored_next: dict[str, int] = {}  # counts ready for the next iteration's prompts (spotlight)
+    budgets: list[float] = []
+    rollout_times: list[float] = []
+    ends: list[float] = []
+    progress_curve: list[float] = []
+    fallbacks = recomputed = handoffs = 0
+    progress, k = 0.0, 0
+
+    def jobs_for(n_samples: int, version: int, tag: list) -> list[Job]:
+        nonlocal next_job
+        out = []
+        for i in range(0, n_samples, p.samples_per_job):
+            out.append(Job(next_job, "", seed=next_job, version=version))
+            tag.append(min(p.samples_per_job, n_samples - i))
+            next_job += 1
+        return out
+
+    def explore(prompts: dict, budget: float, version: int, phase_pools, deadline: float) -> dict[str, int]:
+        """Plan and run exploration; the candidates done per prompt."""
+        nonlocal fallbacks, recomputed, handoffs
+        alloc = planner.plan(list(prompts), budget, group_size=p.group_size, max_candidates=cap)
+        budgets.append(alloc.total())
+        jobs, owner, sizes = [], [], []
+        for pid in alloc.explored():
+            new = jobs_for(alloc[pid], version, sizes)
+            jobs += new
+            owner += [pid] * len(new)
+        if not jobs:
+            return {}
+        res = cluster.run_phase(jobs, p.steps_per_candidate, version=version, pools=phase_pools, deadline=deadline)
+        recomputed += res.recomputed_steps
+        handoffs += res.handoffs
+        done: dict[str, int] = {}
+        first_missing: dict[str, bool] = {}
+        for job, pid, size in zip(jobs, owner, sizes):
+            # Candidates are used in exploration order: a prompt's count stops at its first missing job.
+            if job.job_id in res.done and not first_missing.get(pid):
+                done[pid] = done.get(pid, 0) + size
+            else:
+                first_missing[pid] = True
+        fallbacks += sum(done.get(pid, 0) <= p.group_size for pid in alloc.explored())
+        return {pid: n for pid, n in done.items() if n > p.group_size}
+
+    while progress < p.iterations_to_target and k < setup.max_iterations:
+        prompts = learning.prompts(k)
+        explored: dict[str, int] = {}
+        if policy == "inline" and k > 0 and inline_budget:
+            explored = explore(prompts, inline_budget, k, pools, math.inf)
+        elif policy == "spotlight":
+            explored = {pid: n for pid, n in explored_next.items() if pid in prompts}
+        # Rollout with θ_k.
+        sizes: list[int] = []
+        t0 = loop.now
+        res = cluster.run_phase(jobs_for(p.samples_per_iteration, k, sizes), p.num_steps, version=k, pools=pools)
+        recomputed += res.recomputed_steps
+        handoffs += res.handoffs
+        rollout_times.append(loop.now - t0)
+        # Rewards, then the update θ_k -> θ_{k+1} on the trainer GPUs.
+        loop.advance(reward_s)
+        cluster.on_demand.busy_gpu_s += reward_s * trainer_gpus
+        t_update_end = loop.now + update_s
+        cluster.on_demand.busy_gpu_s += update_s * trainer_gpus
+        if policy == "spotlight":
+            nxt = learning.prompts(k + 1)
+            budget = update_s * cluster.samples_per_s(spot=True, steps=p.steps_per_candidate)
+            explored_next = explore(nxt, budget, k, (True,), t_update_end)
+        if loop.now < t_update_end:
+            loop.advance(t_update_end - loop.now)
+        cluster.publish(k + 1, p.weight_sync_s)
+        progress += learning.progress(prompts, explored, retention)
+        if planner is not None:
+            planner.observe(
+                [Observation(pid, r[: explored.get(pid) or p.group_size], iteration=k) for pid, r in prompts.items()]
+            )
+        k += 1
+        ends.append(loop.now)
+        progress_curve.append(progress)
+        if progress_cb is not None:
+            progress_cb(policy, k, progress / p.iterations_to_target)
+    cluster.finish()
+    return _result(policy, setup, cluster, loop, k, budgets, rollout_times, ends, progress_curve, fallbacks, recomputed, handoffs)
+
+
+def _result(policy, setup, cluster, loop, k, budgets, rollout_times, ends, curve, fallbacks, recomputed, handoffs):
+    wall = loop.now
+    od_usd = cost_usd(cluster.on_demand.usage, [[0.0, setup.on_demand_usd_per_gpu_hour]])
+    spot_prices = setup.spot_prices or [[0.0, setup.on_demand_usd_per_gpu_hour * (1 - setup.spot_discount)]]
+    spot_usd = cost_usd(cluster.spot.usage, spot_prices)
+    held = cluster.spot.held_gpu_s
+    return PolicyResult(
+        policy=policy,
+        wall_s=wall,
+        iterations=k,
+        cost_usd=od_usd + spot_usd,
+        cost_on_demand_usd=od_usd,
+        cost_spot_usd=spot_usd,
+        on_demand_utilisation=cluster.on_demand.busy_gpu_s / cluster.on_demand.held_gpu_s if cluster.on_demand.held_gpu_s else 0.0,
+        spot_utilisation=cluster.spot.busy_gpu_s / held if held else None,
+        work_lost_gpu_s=cluster.spot.lost_gpu_s,
+        explore_cut_gpu_s=cluster.spot.cut_gpu_s + cluster.on_demand.cut_gpu_s,
+        preemptions=cluster.preemptions,
+        notices=cluster.notices,
+        recomputed_steps=recomputed,
+        handoffs=handoffs,
+        fallback_prompts=fallbacks,
+        mean_budget_samples=float(np.mean(budgets)) if budgets else 0.0,
+        mean_rollout_s=float(np.mean(rollout_times)) if rollout_times else 0.0,
+        mean_iteration_s=wall / max(k, 1),
+        spot_gpu_s_held=held,
+        spot_gpu_s_busy=cluster.spot.busy_gpu_s,
+        series={"iteration_end_s": ends, "progress": curve, "spot_timeline": cluster.timeline},
+    )
+
+
+def compare(results: dict[str, PolicyResult]) -> dict:
+    """Ratios against `ondemand` (> 1: cheaper / faster than on-demand only)."""
+    base = results.get("ondemand")
+    out = {}
+    for name, r in results.items():
+        row = r.summary()
+        if base is not None:
+            row["cost_ratio_vs_ondemand"] = round(base.cost_usd / r.cost_usd, 4) if r.cost_usd else None
+            row["time_to_target_ratio_vs_ondemand"] = round(base.wall_s / r.wall_s, 4) if r.wall_s else None
+        out[name] = row
+    return out
