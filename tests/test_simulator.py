@@ -213,3 +213,9 @@ def test_cli_writes_json_and_plots(tmp_path, capsys):
         assert (out / name).stat().st_size > 0
     assert main(["simulate", "--trace", str(tmp_path / "none.csv"), "--out", str(out)]) == 2
     assert "--trace" in capsys.readouterr().err
+    assert main(["simulate", "--synthetic", "--set", "node_startup_s=-1", "--out", str(out)]) == 2
+    assert "node_startup_s" in capsys.readouterr().err
+    rc = main(["simulate", "--synthetic", "--profile", str(prof), "--set", "iterations_to_target=3", "--policies", "ondemand",
+               "--trainer-gpus", "1", "--spot-gpus", "2", "--out", str(out), "--json"])  # fmt: skip
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ondemand"]["iterations"] < rows["ondemand"]["iterations"]

@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+
 from spot.sim.policies import POLICIES
 
 
@@ -26,6 +28,8 @@ def add_subcommands(sub) -> None:
     prof = p.add_mutually_exclusive_group()
     prof.add_argument("--profile", default="qwen-image-512", help="built-in profile (qwen-image-512, qwen-image-1280) or a YAML/JSON file")
     prof.add_argument("--profile-from-run", type=Path, metavar="RUN_DIR", help="measure the profile from a run directory")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="change a profile field, e.g. --set node_startup_s=5 (repeatable)")
     p.add_argument("--trainer-gpus", type=int, default=4, help="on-demand trainer GPUs of spotlight / disaggregated (default 4)")
     p.add_argument("--spot-gpus", type=int, default=8, help="peak spot GPUs: the trace is rescaled to it (default 8)")
     p.add_argument("--baseline-gpus", type=int, help="on-demand GPUs of ondemand / inline (default: trainer + spot)")
@@ -58,12 +62,20 @@ def load_spot_prices(path: Path) -> list[list[float]]:
 def build_setup(args: argparse.Namespace):
     from planners import load_reward_table, synthetic_reward_table
     from spot.sim.policies import Setup
-    from spot.sim.profile import load_profile, profile_from_run
+    from spot.sim.profile import load_profile, profile_from_dict, profile_from_run
     from spot.traces import load_trace, synthetic_trace
 
     if args.spot_gpus < 1 or args.trainer_gpus < 1:
         raise ValueError("--spot-gpus and --trainer-gpus must be >= 1")
     profile = profile_from_run(args.profile_from_run, trainer_gpus=1) if args.profile_from_run else load_profile(args.profile)
+    if args.set:
+        changes = {}
+        for item in args.set:
+            key, sep, raw = item.partition("=")
+            if not sep:
+                raise ValueError(f"--set {item!r}: use FIELD=VALUE")
+            changes[key.strip()] = yaml.safe_load(raw)
+        profile = profile_from_dict({**profile.to_dict(), **changes}, where="--set")
     if args.synthetic:
         # About one preemption per node every two hours, replaced 10 minutes later.
         trace = synthetic_trace(
