@@ -1,4 +1,4 @@
-"""Data parallelism for the DiT trainer: one replica of the policy per process, the batch split.
+"""Data parallelism for the DiT and VLM trainers: one replica of the policy per process, the batch split.
 
 Launched with `accelerate launch` (torchrun underneath) or `torchrun`, every process runs the same
 driver. The global batch is the one-process batch: P prompts x G seeds, prompt-major. Rank r rolls
@@ -11,6 +11,8 @@ in each, weighted by their share of the minibatch; the gradients are then summed
 (`all_reduce_grads`), which gives the gradient of the one-process minibatch loss. An explicit
 all-reduce rather than DDP: a rank may hold none of a minibatch's samples (it then adds zero), and
 the trainer keeps calling `policy.transformer` directly (reference and old-policy swaps, LoRA).
+The VLM trainer (`vlm/train.py`) does the same with its token loss, whose divisors (the minibatch's
+sequence and token counts) are the global ones (`vlm.train.UpdateShard`).
 
 Only rank 0 writes: metrics, images, checkpoints, the cost ledger, the Ray explorers. With one
 process (`WORLD_SIZE` unset or 1) every method is the identity and nothing is initialised, so the

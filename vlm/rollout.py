@@ -4,11 +4,11 @@ Shape legend: P prompts, G samples per prompt, B = P * G sequences (prompt-major
 tokens, V vocabulary.
 
 Seeding: sample g of prompt p draws from its own generator, seeded with derive_seed(seed, p, g),
-so a response does not depend on which other prompts share its batch or on the batch size. The
-transformers engine samples with the Gumbel-max trick (Gumbel 1954; Maddison et al. 2014):
-argmax(logits / temperature + Gumbel noise) is an exact sample of softmax(logits / temperature),
-so a greedy `generate` with a logits processor that adds per-row noise samples the policy while
-the noise stays ours. Temperature 0 is plain greedy decoding (evaluation).
+so a response does not depend on which other prompts share its batch, on the batch size, or on
+which data-parallel rank samples it (`rows`). The transformers engine samples with the Gumbel-max
+trick (Gumbel 1954; Maddison et al. 2014): argmax(logits / temperature + Gumbel noise) is an exact
+sample of softmax(logits / temperature), so a greedy `generate` with a logits processor that adds
+per-row noise samples the policy while the noise stays ours. Temperature 0 is plain greedy decoding (evaluation).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Rollout:
     """G sampled responses for each of P prompts."""
 
     prompts: PromptBatch
-    """The B = P * G prompt rows (each prompt repeated G times, prompt-major)."""
+    """The B = P * G prompt rows (each prompt repeated G times, prompt-major), or a rank's slice of them."""
     response_ids_BT: torch.Tensor
     """(B, T) sampled tokens; padding after the end token."""
     response_mask_BT: torch.Tensor
@@ -45,18 +45,26 @@ class RolloutEngine(Protocol):
     """Samples responses with the current weights (a transformers or, later, a vLLM backend)."""
 
     def generate(
-        self, batch: PromptBatch, num_samples: int, max_new_tokens: int, temperature: float, seed: int
+        self, batch: PromptBatch, num_samples: int, max_new_tokens: int, temperature: float, seed: int, *, rows: range | None = None
     ) -> Rollout:
         """Sample `num_samples` responses for each prompt of `batch`.
 
         Args:
-            batch: P prompts.
+            batch: P prompts; with `rows`, the prompts those rows belong to (see `prompts_of`).
             num_samples: G.
             max_new_tokens: most tokens per response.
             temperature: > 0 samples softmax(logits / temperature); 0 decodes greedily.
             seed: the rollout's seed; sample g of prompt p uses derive_seed(seed, p, g).
+            rows: which rows of the whole prompt-major P * G rollout to sample (default: all). A
+                data-parallel rank samples its contiguous slice; row r keeps the seed
+                derive_seed(seed, r // G, r % G) whatever the slice, so no response depends on the rank.
         """
         ...
+
+
+def prompts_of(rows: range, group_size: int) -> range:
+    """The prompts (indices in the whole batch) that the prompt-major rollout rows `rows` belong to."""
+    return range(rows.start // group_size, -(-rows.stop // group_size)) if len(rows) else range(0)
 
 
 class BanTokens:
@@ -110,20 +118,23 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(
-        self, batch: PromptBatch, num_samples: int, max_new_tokens: int, temperature: float, seed: int
+        self, batch: PromptBatch, num_samples: int, max_new_tokens: int, temperature: float, seed: int, *, rows: range | None = None
     ) -> Rollout:
         from transformers import GenerationConfig, LogitsProcessorList
 
         policy = self.policy
-        rows = batch.repeat_rows(num_samples)
-        row_seeds = [derive_seed(seed, p, g) for p in range(batch.num_rows) for g in range(num_samples)]
+        G = num_samples
+        rows = range(batch.num_rows * G) if rows is None else rows
+        assert len(prompts_of(rows, G)) == batch.num_rows, (rows, batch.num_rows)
+        row_seeds = [derive_seed(seed, r // G, r % G) for r in rows]
+        prompt_rows = batch.select([r // G - rows.start // G for r in rows])  # each prompt once per sample
         config = GenerationConfig(
             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=policy.eos_token_id, pad_token_id=policy.pad_token_id
         )
         chunks = []
-        for start in range(0, rows.num_rows, self.batch_size):
-            idx = list(range(start, min(start + self.batch_size, rows.num_rows)))
-            part = rows.select(idx).to(policy.device)
+        for start in range(0, prompt_rows.num_rows, self.batch_size):
+            idx = list(range(start, min(start + self.batch_size, prompt_rows.num_rows)))
+            part = prompt_rows.select(idx).to(policy.device)
             processors = LogitsProcessorList([BanTokens(policy.banned_token_ids)])
             if temperature > 0:
                 processors.append(GumbelNoise(row_seeds[idx[0] : idx[-1] + 1], temperature))
@@ -133,7 +144,7 @@ class HFRolloutEngine:
         response_ids_BT = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=policy.pad_token_id) for c in chunks])
         mask_BT = response_mask(response_ids_BT, policy.eos_token_id)
         response_ids_BT = torch.where(mask_BT.bool(), response_ids_BT, torch.full_like(response_ids_BT, policy.pad_token_id))
-        return Rollout(rows, response_ids_BT, mask_BT, policy.decode(response_ids_BT, mask_BT))
+        return Rollout(prompt_rows, response_ids_BT, mask_BT, policy.decode(response_ids_BT, mask_BT))
 
 
 ENGINES = {"hf": HFRolloutEngine}

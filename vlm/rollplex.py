@@ -30,6 +30,10 @@ same iteration (several epochs or minibatches) recompute the prefix of their pro
 
 The rollout's own prefill is not shared with the actor prefix (transformers' `generate` builds its
 cache itself); a rollout engine that accepts a prefilled cache would remove that pass too.
+
+Data parallel (`vlm.train`): a rank's rollout rows are a contiguous slice of the B, so its prefixes
+cover only the prompts of that slice (a prompt whose group spans two ranks gets a prefix on both;
+each backpropagates its own rows' share, and the gradients are summed over ranks).
 """
 
 from __future__ import annotations
@@ -224,6 +228,7 @@ class RollplexSchedule:
     def _clear(self) -> None:
         self._pending: Future | None = None
         self._prompts: PromptBatch | None = None
+        self._first_prompt = 0  # the global index of _prompts' first prompt (data parallelism)
         self._ref: PrefixState | None = None
         self._actor: PrefixState | None = None
         self._ready = False
@@ -235,11 +240,12 @@ class RollplexSchedule:
         self._clear()
 
     # 1. Rollout, with the reference and actor prefixes of θ_k running alongside.
-    def rollout(self, prompts: PromptBatch, seed: int) -> Rollout:
+    def rollout(self, prompts: PromptBatch, seed: int, rows: range | None = None) -> Rollout:
         rc = self.cfg.rollout
         self._drop()
         version = self.guard.version
         prompts = prompts.to(self.policy.device)
+        self._first_prompt = 0 if rows is None else rows.start // rc.group_size
         # Vision once per prompt: with the graph when the tower trains (the actor prefix needs it).
         with torch.set_grad_enabled(self.trains and not self.frozen_vision):
             features = image_features(self.policy, prompts)
@@ -250,9 +256,9 @@ class RollplexSchedule:
         if not self.overlap:
             self._pending.result()
         # The rollout's rows carry the shared features only: no per-sample copy of the pixels.
-        rows = replace(prompts, pixel_values_NC=None, image_outputs=detach_image_outputs(features))
+        shared = replace(prompts, pixel_values_NC=None, image_outputs=detach_image_outputs(features))
         with self.guard.read("rollout", version):
-            return self.engine.generate(rows, rc.group_size, rc.max_new_tokens, rc.temperature, seed=seed)
+            return self.engine.generate(shared, rc.group_size, rc.max_new_tokens, rc.temperature, seed=seed, rows=rows)
 
     def _prefixes(self, prompts: PromptBatch, version: int):
         """Worker: the reference prefix (no gradient) and the actor prefix (graph kept if training)."""
@@ -310,24 +316,24 @@ class RollplexSchedule:
             return self._suffix_batches(self.policy.model, state, batch, rows)
 
     def _suffix_batches(self, model, state: PrefixState, batch: Rollout, rows: list[int]) -> torch.Tensor:
-        G, mb = self.cfg.rollout.group_size, self.cfg.train.micro_batch_size
+        G, mb, first = self.cfg.rollout.group_size, self.cfg.train.micro_batch_size, self._first_prompt
         parts = []
         for start in range(0, len(rows), mb):
             local = list(range(start, min(start + mb, len(rows))))
             logp = suffix_logprobs(
-                self.policy, model, state, [rows[i] // G for i in local], batch.response_ids_BT[local], batch.response_mask_BT[local],
+                self.policy, model, state, [rows[i] // G - first for i in local], batch.response_ids_BT[local], batch.response_mask_BT[local],
                 self.cfg.rollout.temperature,
             )  # fmt: skip
             parts.append(logp.cpu())
         return torch.cat(parts)
 
     # 3. Update: suffix forward and backward per micro-batch, the prefix backward once per step.
-    def update(self, batch: Rollout, rows: list[int], adv_B: torch.Tensor, old_logp_BT, ref_logp_BT, iteration: int) -> dict[str, float]:
+    def update(self, batch: Rollout | None, rows: list[int], adv_B: torch.Tensor, old_logp_BT, ref_logp_BT, iteration: int, *, shard=None) -> dict[str, float]:
         from vlm.train import update
 
         self._wait()
         scorer = _SuffixScorer(self, batch, rows)
-        stats = update(self.policy, self.optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, self.cfg, iteration, scorer=scorer)
+        stats = update(self.policy, self.optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, self.cfg, iteration, scorer=scorer, shard=shard)
         self._drop()
         return stats
 
@@ -347,19 +353,24 @@ class RollplexSchedule:
 class _SuffixScorer:
     """Training log-probs from prefix state: the `FullForward` interface of `vlm.train.update`."""
 
-    def __init__(self, schedule: RollplexSchedule, batch: Rollout, rows: list[int]):
+    def __init__(self, schedule: RollplexSchedule, batch: Rollout | None, rows: list[int]):
         self.s, self.batch, self.rows = schedule, batch, rows
         self.G = schedule.cfg.rollout.group_size
         self.graph: PrefixState | None = schedule._actor  # θ_k's, computed during the decode
         self.leaves: PrefixState | None = None
-        self.prompt_row: dict[int, int] = {p: p for p in range(schedule._prompts.num_rows)}
+        # Global prompt index -> row of the prefix state.
+        first = schedule._first_prompt
+        self.prompt_row: dict[int, int] = {first + i: i for i in range(schedule._prompts.num_rows)}
 
     def begin_minibatch(self, mb_rows: list[int]) -> None:
         s = self.s
+        if not mb_rows:  # data parallelism: none of this minibatch is on this rank
+            self.leaves = None
+            return
         if self.graph is None or self.graph.version != s.guard.version:
             # θ moved since that prefix: recompute it for this minibatch's prompts.
             prompts = sorted({self.rows[r] // self.G for r in mb_rows})
-            sub = s._prompts.select(prompts)
+            sub = s._prompts.select([p - s._first_prompt for p in prompts])
             if not s.frozen_vision:
                 sub = replace(sub, image_outputs=None)
             with s.guard.read("prefix", s.guard.version):
@@ -376,6 +387,8 @@ class _SuffixScorer:
         )  # fmt: skip
 
     def before_step(self) -> None:
+        if self.leaves is None:
+            return
         pairs = [(t, leaf.grad) for t, leaf in zip(self.graph.tensors(), self.leaves.tensors()) if leaf.grad is not None]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])

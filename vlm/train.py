@@ -9,6 +9,13 @@ each phase runs the whole model over [prompt, response] in turn, as veRL and TRL
 (`vlm.rollplex.RollplexSchedule`): the response-independent prefix of the reference and actor
 passes runs while the rollout decodes, and the later phases run only the response suffix; the
 losses and gradients are the serial ones up to float order.
+
+Data parallel (`accelerate launch` or `torchrun`, see `spotlight/distributed.py`), either schedule:
+the global batch and its seeds are the one-process ones; each rank rolls out a contiguous slice of
+the P * G rows (a group may span two ranks; sample g of prompt p keeps its seed whatever the rank),
+the rewards are all-gathered before the group advantages, every rank walks the same global
+minibatches with the loss divisors of the whole minibatch, gradients are summed over ranks before
+clipping, and only rank 0 writes (config, metrics, checkpoints) and evaluates.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,14 +34,15 @@ from rich.table import Table
 
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config_io import dump_yaml, save_config, to_dict
+from spotlight.distributed import DataParallel, init_data_parallel
 from spotlight.sampling import derive_seed
 from spotlight.tracking import Tracker
 from vlm.config import VLMRecipe
 from vlm.evaluate import evaluate
 from vlm.grpo import group_advantages, grpo_token_loss
 from vlm.policy import VLMPolicy, load_policy, load_trainable_state, response_logprobs, trainable_state
-from vlm.rewards import CombinedReward
-from vlm.rollout import ENGINES, Rollout, RolloutEngine
+from vlm.rewards import CombinedReward, RewardResult
+from vlm.rollout import ENGINES, Rollout, RolloutEngine, prompts_of
 from vlm.task import TrainStream, example_image
 
 
@@ -86,10 +95,33 @@ class FullForward:
         optimizer.step()
 
 
+@dataclass
+class UpdateShard:
+    """This process's part of an iteration's update batch: all of it in one process.
+
+    The N rows of the update (the iteration's rollout rows that reach it, in rollout order) are split
+    among the data-parallel ranks in contiguous runs. Every rank walks the same global minibatches
+    and scores its own rows of each, with the divisors of the whole minibatch (its sequence and
+    token counts), so the gradients summed over ranks are the one-process minibatch gradient.
+    """
+
+    dp: DataParallel
+    """The data-parallel layout (the identity in one process)."""
+    offset: int
+    """Position, among the N rows of the update, of this rank's first row."""
+    num_tokens_N: torch.Tensor
+    """(N,) response tokens of every row of the update, every rank's: the loss divisors are global."""
+
+    @classmethod
+    def whole(cls, ro: Rollout) -> UpdateShard:
+        """One process holding all the rows of `ro`."""
+        return cls(DataParallel(), 0, ro.response_mask_BT.sum(dim=1))
+
+
 def update(
     policy: VLMPolicy,
     optimizer: torch.optim.Optimizer,
-    ro: Rollout,
+    ro: Rollout | None,
     adv_B: torch.Tensor,
     old_logp_BT: torch.Tensor | None,
     ref_logp_BT: torch.Tensor | None,
@@ -97,23 +129,33 @@ def update(
     iteration: int,
     *,
     scorer: FullForward | None = None,
+    shard: UpdateShard | None = None,
 ) -> dict[str, float]:
     """The policy update of one iteration: epochs x shuffled minibatches, micro-batch gradient accumulation.
 
     `old_logp_BT` None means on-policy (one epoch, one minibatch): the ratio's denominator is the
     forward's own log-probs, detached. `scorer` computes the training log-probs and applies the
     step (default `FullForward`; the Rollplex schedule passes its prefix + suffix scorer).
+    `shard` places `ro` among the ranks' rows (default: one process, `ro` is the whole batch);
+    `ro` None means this rank holds none of the rows but takes part in every gradient sum.
+
+    Returns the mean minibatch loss and gradient norm, and clip_frac, ratio_mean and kl_ref as
+    token means over the whole update (every rank's tokens, whatever the micro-batching).
     """
     tc = cfg.train
+    shard = UpdateShard.whole(ro) if shard is None else shard
     scorer = FullForward(policy, ro, cfg.rollout.temperature) if scorer is None else scorer
-    num_rows = ro.prompts.num_rows
-    stats: dict[str, list[float]] = {}
+    num_rows = len(shard.num_tokens_N)
+    lo, hi = shard.offset, shard.offset + (ro.prompts.num_rows if ro is not None else 0)
+    sums = {"clip_frac": 0.0, "ratio_mean": 0.0, "kl_ref": 0.0, "tokens": 0.0}
+    losses, grad_norms = [], []
     params = [p for p in policy.model.parameters() if p.requires_grad]
     for epoch in range(tc.num_inner_epochs):
         order = np.random.default_rng(derive_seed(tc.seed, iteration, 1, epoch)).permutation(num_rows).tolist()
         for mb_start in range(0, num_rows, tc.minibatch_size):
-            mb_rows = order[mb_start : mb_start + tc.minibatch_size]
-            mask_all = ro.response_mask_BT[mb_rows]
+            mb_all = order[mb_start : mb_start + tc.minibatch_size]
+            mb_rows = [i - lo for i in mb_all if lo <= i < hi]  # this rank's rows of the minibatch (maybe none)
+            num_tokens = float(shard.num_tokens_N[mb_all].sum())
             optimizer.zero_grad(set_to_none=True)
             scorer.begin_minibatch(mb_rows)
             loss_total = 0.0
@@ -127,32 +169,41 @@ def update(
                     ref_logp_BT[rows].to(logp_BT.device) if ref_logp_BT is not None else None,
                     adv_B[rows].to(logp_BT.device), mask_BT.to(logp_BT.device),
                     clip_range=tc.clip_range, beta=tc.beta, agg=tc.loss_agg,
-                    num_sequences=len(mb_rows), num_tokens=float(mask_all.sum()),
+                    num_sequences=len(mb_all), num_tokens=num_tokens,
                 )  # fmt: skip
                 loss.backward()
                 loss_total += loss.item()
-                for k, v in s.items():
-                    stats.setdefault(k, []).append(v)
+                tokens = float(mask_BT.sum())
+                for k, v in s.items():  # token means of the micro-batch -> token sums
+                    sums[k] += v * tokens
+                sums["tokens"] += tokens
             scorer.before_step()
+            shard.dp.all_reduce_grads(params)  # the one-process minibatch gradient, before clipping
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
             scorer.step(optimizer)
-            stats.setdefault("loss", []).append(loss_total)
-            stats.setdefault("grad_norm", []).append(float(grad_norm))
-    return {k: float(np.mean(v)) for k, v in stats.items()}
+            losses.append(loss_total)
+            grad_norms.append(float(grad_norm))
+    # Each rank's entries are its shares: summed over ranks they are the global values.
+    totals = shard.dp.sum_lists({"loss": losses, **{k: [v] for k, v in sums.items()}})
+    tokens = max(totals.pop("tokens")[0], 1.0)
+    stats = {k: v[0] / tokens for k, v in totals.items() if k != "loss"}
+    return {**stats, "loss": float(np.mean(totals["loss"])), "grad_norm": float(np.mean(grad_norms))}
 
 
 class SerialSchedule:
     """The phases one after another, each over the whole sequence (veRL, TRL): the baseline schedule.
 
-    `rows` index the iteration's rollout (row // G is the prompt); `batch` is the rollout of those rows.
+    `rows` index the iteration's whole rollout (row // G is the prompt); `batch` is the rollout of
+    those rows. With data parallelism `rollout` gets this rank's rows of the P * G and the prompts
+    they belong to, and `update` this rank's `UpdateShard` (`batch` None: none of the update's rows).
     """
 
     def __init__(self, policy: VLMPolicy, engine: RolloutEngine, reference: Reference, optimizer: torch.optim.Optimizer, cfg: VLMRecipe):
         self.policy, self.engine, self.reference, self.optimizer, self.cfg = policy, engine, reference, optimizer, cfg
 
-    def rollout(self, prompts, seed: int) -> Rollout:
+    def rollout(self, prompts, seed: int, rows: range | None = None) -> Rollout:
         rc = self.cfg.rollout
-        return self.engine.generate(prompts, rc.group_size, rc.max_new_tokens, rc.temperature, seed=seed)
+        return self.engine.generate(prompts, rc.group_size, rc.max_new_tokens, rc.temperature, seed=seed, rows=rows)
 
     def reference_logprobs(self, batch: Rollout, rows: list[int]) -> torch.Tensor:
         return self.reference.logprobs(batch, self.cfg.rollout.temperature, self.cfg.train.micro_batch_size)
@@ -161,8 +212,10 @@ class SerialSchedule:
     def old_logprobs(self, batch: Rollout, rows: list[int]) -> torch.Tensor:
         return batched_logprobs(self.policy, batch, self.cfg.rollout.temperature, self.cfg.train.micro_batch_size)
 
-    def update(self, batch: Rollout, rows: list[int], adv_B: torch.Tensor, old_logp_BT, ref_logp_BT, iteration: int) -> dict[str, float]:
-        return update(self.policy, self.optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, self.cfg, iteration)
+    def update(
+        self, batch: Rollout | None, rows: list[int], adv_B: torch.Tensor, old_logp_BT, ref_logp_BT, iteration: int, *, shard: UpdateShard | None = None
+    ) -> dict[str, float]:
+        return update(self.policy, self.optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, self.cfg, iteration, shard=shard)
 
     def close(self) -> None:
         pass
@@ -179,27 +232,49 @@ def make_schedule(name: str, policy: VLMPolicy, engine: RolloutEngine, reference
     raise ValueError(f"train.schedule must be 'serial' or 'rollplex', got {name!r}")
 
 
+def gather_rewards(dp: DataParallel, local: RewardResult) -> RewardResult:
+    """The whole batch's rewards on every rank, from each rank's rewards of its rows (rank order)."""
+    if dp.world_size == 1:
+        return local
+    return RewardResult(dp.all_gather_rows(local.total_B), {k: dp.all_gather_rows(v) for k, v in local.components.items()})
+
+
 def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, progress: bool = True) -> dict:
     """Post-train the policy of `cfg` with GRPO, writing config, metrics and checkpoints to run_dir."""
+    # One process unless launched by accelerate/torchrun; then only rank 0 writes.
+    dp = init_data_parallel()
+    try:
+        return _train(cfg, Path(run_dir), dp, resume=resume, progress=progress and dp.is_main)
+    finally:
+        dp.close()
+
+
+def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, progress: bool) -> dict:
+    """The iteration loop (every rank runs it; rank 0 writes)."""
     console = Console(quiet=not progress)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    save_config(cfg, run_dir / "config.yaml")
     tc, P, G = cfg.train, cfg.train.prompts_per_iteration, cfg.rollout.group_size
+    if P * G < dp.world_size:
+        raise ValueError(f"train.prompts_per_iteration * rollout.group_size = {P * G} samples for {dp.world_size} processes: give every process at least one")
+    if dp.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    if tc.num_threads:
+        torch.set_num_threads(tc.num_threads)
 
     policy = load_policy(cfg.model)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    # Every replica starts from rank 0's weights, as DDP does: a LoRA adapter's init is drawn per process.
+    dp.broadcast_tensors(params)
     engine = ENGINES[cfg.rollout.engine](policy, batch_size=cfg.rollout.batch_size)
     reference = Reference(policy, tc.beta)
-    params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
     reward_fn = CombinedReward(cfg.reward.weights)
     stream = TrainStream(cfg.task, seed=tc.seed)
     schedule = make_schedule(tc.schedule, policy, engine, reference, optimizer, cfg)
 
     start_iter = 0
-    latest = find_latest_checkpoint(run_dir) if resume else None
+    # Rank 0 picks the checkpoint (the run dir must be one every rank can read).
+    latest = dp.broadcast_object(find_latest_checkpoint(run_dir) if resume and dp.is_main else None)
     if latest is not None:
         ckpt = load_checkpoint(latest)
         load_trainable_state(policy, ckpt.tensors["trainable"])
@@ -223,48 +298,61 @@ def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, pr
     # With a single epoch and a single minibatch the update runs at the weights that sampled, so
     # the old log-probs are the new ones detached (same weights, same inputs): skip that pass.
     on_policy = tc.num_inner_epochs == 1 and tc.minibatch_size >= P * G
+    lo, hi = dp.shard(P * G)  # this rank's rows of every iteration's rollout (all of them in one process)
+    mine = prompts_of(range(lo, hi), G)  # and the prompts they belong to
+    if dp.world_size > 1:
+        console.print(f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {P * G} samples on rank 0")
     history: list[dict] = []
     last_ckpt: Path | None = latest
     began = time.monotonic()
     columns = [TextColumn("[bold]VLM GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
-    tracker = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter)
-    with tracker, Progress(*columns, console=console) as bar:
+    tracking = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) if dp.is_main else contextlib.nullcontext()
+    with tracking as tracker, Progress(*columns, console=console) as bar:
         task = bar.add_task("", total=tc.num_iterations, completed=start_iter)
         for it in range(start_iter, tc.num_iterations):
             t0 = time.monotonic()
-            # 1. Rollout: G seeded responses per prompt with the current weights.
+            # 1. Rollout: G seeded responses per prompt with the current weights; each rank samples
+            #    its rows. All P prompts are encoded together, so the left padding is the one-process one.
             examples = stream.batch(it, P)
             prompts = policy.encode([e.question for e in examples], [example_image(e, cfg.task) for e in examples])
-            ro = schedule.rollout(prompts, seed=derive_seed(tc.seed, it, 0))
+            if len(mine) < P:
+                prompts = prompts.select(list(mine))
+            ro = schedule.rollout(prompts, seed=derive_seed(tc.seed, it, 0), rows=range(lo, hi))
             t1 = time.monotonic()
-            # 2. Verifiable rewards and group-relative advantages (flat groups carry no signal).
+            # 2. Verifiable rewards and group-relative advantages (flat groups carry no signal). Every
+            #    rank gets the whole batch's rewards: the group statistics are global.
             answers = [e.answer for e in examples for _ in range(G)]
-            reward = reward_fn(ro.texts, answers)
+            reward = gather_rewards(dp, reward_fn(ro.texts, answers[lo:hi]))
             adv = group_advantages(reward.total_B.view(P, G), std_mode=tc.adv_std, clip=tc.adv_clip)
             adv_B = adv.adv_PG.reshape(-1)
-            batch, rows = ro, list(range(P * G))
+            num_tokens_B = dp.all_gather_rows(ro.response_mask_BT.sum(dim=1))
+            rows = list(range(P * G))
             if tc.drop_flat_groups:  # only groups with a reward spread reach the update
                 rows = adv.trainable_PG.any(dim=1).repeat_interleave(G).nonzero().squeeze(1).tolist()
-                batch, adv_B = (ro.select(rows), adv_B[rows]) if rows else (None, None)
+            local = [r for r in rows if lo <= r < hi]  # this rank's rows of the update: a contiguous run of `rows`
+            batch = None  # the rollout of those rows (None: this rank holds none of them)
+            if local:
+                batch = ro if len(local) == hi - lo else ro.select([r - lo for r in local])
             t2 = t3 = time.monotonic()
             stats: dict[str, float] = {}
-            if batch is not None:
+            if rows:
                 # 3. Reference log-probs (KL term), then old log-probs (the ratio's denominator).
-                ref_logp_BT = schedule.reference_logprobs(batch, rows) if tc.beta > 0 else None
+                ref_logp_BT = schedule.reference_logprobs(batch, local) if tc.beta > 0 and batch is not None else None
                 t2 = time.monotonic()
                 # On policy (one optimizer step on fresh samples) old == current weights, ratio 1.
-                old_logp_BT = None if on_policy else schedule.old_logprobs(batch, rows)
+                old_logp_BT = None if on_policy or batch is None else schedule.old_logprobs(batch, local)
                 t3 = time.monotonic()
-                # 4. Policy update.
-                stats = schedule.update(batch, rows, adv_B, old_logp_BT, ref_logp_BT, it)
+                # 4. Policy update; gradients summed over ranks.
+                shard = UpdateShard(dp, rows.index(local[0]) if local else 0, num_tokens_B[rows])
+                stats = schedule.update(batch, local, adv_B[local], old_logp_BT, ref_logp_BT, it, shard=shard)
             t4 = time.monotonic()
 
             metrics = {
                 "reward/mean": float(reward.total_B.mean()),
                 **{f"reward/{k}": float(v.mean()) for k, v in reward.components.items()},
                 "grpo/zero_variance_groups": adv.num_zero_variance_groups,
-                "response/length": float(ro.response_mask_BT.sum(dim=1).float().mean()),
-                "grpo/rows_updated": batch.prompts.num_rows if batch is not None else 0,
+                "response/length": float(num_tokens_B.float().mean()),
+                "grpo/rows_updated": len(rows),
                 **{f"grpo/{k}": v for k, v in stats.items()},
                 "time/rollout_s": t1 - t0,
                 "time/reference_s": t2 - t1,
@@ -273,13 +361,15 @@ def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, pr
                 "time/iteration_s": t4 - t0,
             }
             step = it + 1
-            if cfg.eval.every and step % cfg.eval.every == 0:
-                summary = evaluate(policy, cfg.task, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.rollout.max_new_tokens)
-                metrics.update({f"eval/{k}": v for k, v in summary.items() if k.startswith("accuracy") or k == "format_rate"})
-            tracker.log(metrics, step=step)
             history.append(metrics)
-            out_of_time = tc.max_minutes and time.monotonic() - began > 60 * tc.max_minutes
-            if step % cfg.log.checkpoint_every == 0 or step == tc.num_iterations or out_of_time:
+            if dp.is_main:
+                if cfg.eval.every and step % cfg.eval.every == 0:
+                    summary = evaluate(policy, cfg.task, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.rollout.max_new_tokens)
+                    metrics.update({f"eval/{k}": v for k, v in summary.items() if k.startswith("accuracy") or k == "format_rate"})
+                tracker.log(metrics, step=step)
+            # Rank 0's clock decides for every rank, so that all of them stop after the same iteration.
+            out_of_time = dp.broadcast_object(bool(tc.max_minutes and time.monotonic() - began > 60 * tc.max_minutes))
+            if dp.is_main and (step % cfg.log.checkpoint_every == 0 or step == tc.num_iterations or out_of_time):
                 last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith("time/")})
             bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
             if out_of_time:
