@@ -50,13 +50,14 @@ trainer's processes, so its row also carries the trainer's optimizer state and g
 the last step until the next minibatch's zero_grad).
 
 The check: `tests/test_plan.py` runs real training steps of the tiny recipes on CPU and compares
-these figures with measured ones (within 25%). The VLM side is `vlm/plan.py`.
+these figures with measured ones (within 25%). This module holds the plan's data, the shared
+meta-device and reward-model helpers, the suggestions and the output; the DiT estimate above is
+`spotlight/plan_dit.py`, the VLM one `vlm/plan.py`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -278,157 +279,7 @@ def reward_models(weights: dict[str, float], options: dict[str, Any]) -> list[Re
     return out
 
 
-@dataclass
-class DiTModel:
-    """What the DiT estimate needs from the model folder: sizes, widths, sources."""
-
-    transformer_bytes: int
-    transformer_params: int
-    dead_params: int
-    """Parameters that get no gradient in a full fine-tune (the last block's text output path)."""
-    dead_lora_per_rank: int
-    """The adapter parameters on that path, per unit of rank."""
-    lora_params_per_rank: int
-    """Adapter parameters per unit of rank (an adapter's size is linear in r)."""
-    lora_bytes_per_param: int
-    """Adapter dtype bytes (diffusers' add_adapter casts the adapter to the base layer's dtype)."""
-    block_bytes: int
-    """One transformer block's weights (FSDP gathers one at a time)."""
-    text_encoder_bytes: int
-    text_encoder_layers: int
-    text_encoder_width: int
-    text_encoder_vocab: int
-    vae_bytes: int
-    vae_width: int
-    """Channels of the VAE decoder's full-resolution stage (0 for the parameter-free codec)."""
-    downsample: int
-    latent_channels: int
-    num_layers: int
-    dim: int
-    heads: int
-    joint_dim: int
-    in_channels: int
-    sources: dict[str, str]
-
-
-def load_dit_model(model_path: str, dtype: str) -> DiTModel:
-    """Build the recipe's transformer, prompt encoder and codec on the meta device (or the published ones)."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-    from peft import LoraConfig
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
-
-    from spotlight.latents import load_codec
-    from spotlight.policy import DTYPES, LORA_TARGETS, default_model_path
-
-    torch_dtype = DTYPES[dtype]
-    folder = Path(model_path).expanduser() if model_path else default_model_path()
-    sources = {}
-
-    if (folder / "transformer" / "config.json").is_file():
-        tcfg = QwenImageTransformer2DModel.load_config(folder / "transformer")
-        sources["transformer"] = f"{folder}/transformer/config.json (meta device)"
-    else:
-        tcfg = QWEN_IMAGE_TRANSFORMER
-        sources["transformer"] = f"published Qwen-Image transformer config ({folder}/transformer not on disk)"
-    transformer = _on_meta(lambda: QwenImageTransformer2DModel.from_config(tcfg), torch_dtype)
-    nbytes = meta_bytes(transformer)[1]
-    numel = meta_bytes(transformer, trainable=True)[0]  # parameters only (a full fine-tune trains them all)
-    block_bytes = meta_bytes(transformer.transformer_blocks[0])[1]
-    # The last block's text stream after attention never reaches the output (only image tokens go
-    # to proj_out): its weights get no gradient, hence no AdamW state either.
-    last = transformer.transformer_blocks[-1]
-    dead = [last.attn.to_add_out, last.txt_mlp]
-    dead_params = sum(meta_bytes(mod, trainable=True)[0] for mod in dead)
-    # The adapter as `DiTPolicy.add_lora` attaches it, at rank 1: its size is linear in the rank.
-    # On meta, peft skips its cast to the base dtype; the real path casts, hence the .to(dtype).
-    transformer.requires_grad_(False)
-    with torch.device("meta"):
-        transformer.add_adapter(LoraConfig(r=1, lora_alpha=1, target_modules=LORA_TARGETS))
-    transformer.to(torch_dtype)
-    lora_numel, lora_bytes = meta_bytes(transformer, trainable=True)
-    dead_lora = sum(meta_bytes(mod, trainable=True)[0] for mod in dead)
-
-    if (folder / "text_encoder" / "config.json").is_file():
-        te_cfg = AutoConfig.from_pretrained(folder / "text_encoder")
-        sources["text_encoder"] = f"{folder}/text_encoder/config.json (meta device)"
-    else:
-        te_cfg = qwen2_5_vl_config("7B")
-        sources["text_encoder"] = "published Qwen2.5-VL-7B config (text_encoder/ not on disk)"
-    text_encoder = _on_meta(lambda: Qwen2_5_VLForConditionalGeneration(te_cfg), torch_dtype)
-
-    if (folder / "latent_codec.json").is_file():
-        codec = load_codec(folder)  # the tiny folders' parameter-free space-to-depth codec
-        sources["vae"] = f"{folder}/latent_codec.json (parameter-free codec)"
-        vae_bytes, vae_width, downsample, latent_channels = 0, 0, codec.downsample, codec.latent_channels
-    else:
-        if (folder / "vae" / "config.json").is_file():
-            vcfg = AutoencoderKLQwenImage.load_config(folder / "vae")
-            sources["vae"] = f"{folder}/vae/config.json (meta device)"
-        else:
-            vcfg = QWEN_IMAGE_VAE
-            sources["vae"] = "published Qwen-Image VAE config (vae/ not on disk)"
-        vae = _on_meta(lambda: AutoencoderKLQwenImage.from_config(vcfg), torch_dtype)
-        vae_bytes, vae_width = meta_bytes(vae)[1], vae.config.base_dim
-        downsample, latent_channels = 2 ** len(vae.config.temperal_downsample), vae.config.z_dim
-
-    text = te_cfg.text_config
-    return DiTModel(
-        transformer_bytes=nbytes, transformer_params=numel, dead_params=dead_params, dead_lora_per_rank=dead_lora,
-        lora_params_per_rank=lora_numel, lora_bytes_per_param=lora_bytes // max(1, lora_numel), block_bytes=block_bytes,
-        text_encoder_bytes=meta_bytes(text_encoder)[1], text_encoder_layers=text.num_hidden_layers,
-        text_encoder_width=text.hidden_size, text_encoder_vocab=text.vocab_size,
-        vae_bytes=vae_bytes, vae_width=vae_width, downsample=downsample, latent_channels=latent_channels,
-        num_layers=transformer.config.num_layers, dim=transformer.inner_dim, heads=transformer.config.num_attention_heads,
-        joint_dim=transformer.config.joint_attention_dim, in_channels=transformer.config.in_channels, sources=sources,
-    )  # fmt: skip
-
-
-def dit_text_tokens(cfg, folder: Path) -> tuple[int, str]:
-    """Prompt tokens the transformer sees: fixed padding, the longest training prompt, or an assumption."""
-    if cfg.model.max_text_tokens:
-        return cfg.model.max_text_tokens, "model.max_text_tokens"
-    prompts_file = Path(cfg.data.train_prompts).expanduser()
-    if (folder / "tokenizer").is_dir() and prompts_file.is_file():
-        from transformers import AutoTokenizer
-
-        from spotlight.policy import PROMPT_TEMPLATE
-
-        tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
-        prefix = len(tokenizer(PROMPT_TEMPLATE.split("{}")[0]).input_ids)
-        prompts = [line.strip() for line in prompts_file.read_text().splitlines() if line.strip()]
-        longest = max(len(tokenizer(PROMPT_TEMPLATE.format(p)).input_ids) - prefix for p in prompts)
-        return longest, f"longest prompt of {prompts_file}"
-    return ASSUMED_TEXT_TOKENS, "assumed (set model.max_text_tokens for an exact plan)"
-
-
-# -- DiT activations -----------------------------------------------------------------------------
-
-
-def dit_block_bytes_per_token(m: DiTModel, a: int, lora_rank: int) -> float:
-    """Bytes one transformer block saves for backward per token (either stream), see the module docstring."""
-    d, h = m.dim, m.heads
-    stats = 4 * (2 * 4 + 3 * h)  # fp32: mean/rstd of 4 LayerNorms, rsqrt of q/k per head, attention lse
-    upcast = 2 * d * 4 if a < 4 else 0  # q/k RMSNorm: pow() keeps an fp32 copy
-    if lora_rank:
-        return (19 * d + 6 * lora_rank) * a + upcast + stats
-    return 25 * d * a + upcast + stats
-
-
-def dit_train_bytes_per_sample(m: DiTModel, a: int, lora_rank: int, gc: bool, img_tokens: int, txt_tokens: int) -> float:
-    """Saved activations of one sample's training forward (tokens already divided by SP where it applies)."""
-    tokens = img_tokens + txt_tokens
-    block = dit_block_bytes_per_token(m, a, lora_rank) * tokens + 14 * m.dim * a  # + per-sample modulation
-    if lora_rank:
-        outside = img_tokens * m.dim * a  # norm_out's LayerNorm input; the frozen rest saves nothing
-    else:
-        outside = img_tokens * (m.in_channels + 3 * m.dim) * a + txt_tokens * 2 * m.joint_dim * a
-    if gc:
-        # The checkpoint saves each block's inputs; backward recomputes one block at a time.
-        return m.num_layers * (tokens * m.dim * a + m.dim * a) + outside + block
-    return m.num_layers * block + outside
-
-
-# -- DiT roles -------------------------------------------------------------------------------------
+# -- shared helpers ------------------------------------------------------------------------------
 
 
 def _gib(b: float) -> str:
@@ -438,101 +289,6 @@ def _gib(b: float) -> str:
 def _count(n: float) -> str:
     """1.23B, 424.7M, 0.33M: parameter counts for people."""
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-
-def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_tokens: int) -> tuple[list[Role], dict]:
-    """The trainer, rollout and explorer of a DiT recipe under `layout`."""
-    tc, sc = cfg.train, cfg.sample
-    a = DTYPE_BYTES[cfg.model.dtype]
-    k = layout.fsdp
-    lat_h, lat_w = cfg.model.height // m.downsample, cfg.model.width // m.downsample
-    img_tokens = (lat_h // 2) * (lat_w // 2)
-    channels = m.latent_channels * 4
-    cfg_factor = 2 if sc.guidance_scale > 1 else 1
-    num_samples = tc.prompts_per_iteration * tc.group_size
-    local_samples = math.ceil(num_samples / layout.dp)
-    per_forward = math.ceil(min(tc.minibatch_size, num_samples) / layout.dp)
-    img_per_gpu = math.ceil(img_tokens / layout.sp)
-
-    # Weights and what training adds to them.
-    lora_params = layout.lora_rank * m.lora_params_per_rank
-    trained = lora_params if layout.lora_rank else m.transformer_params
-    trainable = trained - (layout.lora_rank * m.dead_lora_per_rank if layout.lora_rank else m.dead_params)  # with a gradient
-    t_bytes = a if not layout.lora_rank else m.lora_bytes_per_param
-    base = m.transformer_bytes / k
-    if k > 1:
-        master = trained * 4 / k  # FSDP mixed precision: sharded fp32 master of what trains
-        frozen = 0 if not layout.lora_rank else base
-        weights = Term("weights", "transformer (FSDP shards + 2 gathered blocks)", frozen + master + 2 * m.block_bytes,
-                       f"frozen {cfg.model.dtype} / {k} + fp32 master of {_count(trained)} trained params / {k}")
-        grads, moments = trainable * 4 / k, 2 * trainable * 4 / k
-    else:
-        weights = Term("weights", "transformer" + (f" + LoRA r={layout.lora_rank}" if layout.lora_rank else ""),
-                       m.transformer_bytes + lora_params * m.lora_bytes_per_param * bool(layout.lora_rank),
-                       f"{_count(m.transformer_params)} params x {a} B" + (f" + {_count(lora_params)} adapter params" if layout.lora_rank else ""))
-        grads, moments = trainable * t_bytes, 2 * trainable * t_bytes
-    frozen_parts = [
-        Term("weights", "prompt encoder (frozen)", m.text_encoder_bytes, f"Qwen2.5-VL in {cfg.model.dtype}"),
-        Term("weights", "VAE (frozen)", m.vae_bytes, "decoder + encoder" if m.vae_bytes else "parameter-free codec"),
-        *[Term("weights", f"reward model: {r.name}", r.bytes, f"{_count(r.params)} params (source above)") for r in rewards],
-    ]
-    copies = []
-    if tc.beta > 0 and not layout.lora_rank:
-        copies.append(Term("weights", "KL reference copy (frozen)", base, "full fine-tune with train.beta > 0: a frozen copy"))
-    num_steps = tc.num_inner_epochs * math.ceil(num_samples / tc.minibatch_size)
-    if tc.objective == "nft" and num_steps > 1:
-        copies.append(Term("weights", "old-policy copy (DiffusionNFT)", base + lora_params * m.lora_bytes_per_param / k,
-                           f"{num_steps} optimizer steps per update: v_old needs the sampling weights"))
-    train_state = [
-        Term("gradients", "gradients", grads, f"{_count(trainable)} trained params x {4 if k > 1 else t_bytes} B" + (f" / {k}" if k > 1 else "")),
-        Term("optimizer", "AdamW moments", moments, f"2 x {_count(trainable)} x {4 if k > 1 else t_bytes} B" + (f" / {k}" if k > 1 else "")),
-    ]
-    per_sample = dit_train_bytes_per_sample(m, a, layout.lora_rank, layout.gradient_checkpointing, img_per_gpu, txt_tokens)
-    # A sample split over an SP group: each GPU holds 1/sp of the image tokens of every sample of its group.
-    acts = Term("activations", "saved for backward", cfg_factor * per_forward * per_sample,
-                f"{cfg_factor * per_forward} sample(s) per forward x {(img_per_gpu + txt_tokens)} tokens"
-                + (" (checkpointed)" if layout.gradient_checkpointing else "") + f" x {m.num_layers} blocks")
-    trajectory = (sc.num_steps + 1) * local_samples * img_tokens * channels * 4 + sc.num_steps * local_samples * 4
-    embeds = local_samples * cfg_factor * txt_tokens * m.joint_dim * a
-    buffers = [
-        Term("buffers", "rollout trajectory", trajectory, f"{sc.num_steps + 1} latents x {local_samples} samples x {img_tokens}x{channels} fp32"),
-        Term("buffers", "prompt embeddings", embeds, f"{local_samples} samples x {txt_tokens} tokens x {m.joint_dim}"),
-    ]
-    trainer = Role("trainer", f"{layout.gpus} on-demand GPU(s), the update", [weights, *frozen_parts, *copies, *train_state, acts, *buffers])
-
-    def sampling(batch: int, prompts: int, decoded: int, sp: int) -> Term:
-        """The no-grad working set: the largest of a sampling forward, the prompt encoder's pass and the VAE decode."""
-        tokens = math.ceil(img_tokens / sp) + txt_tokens
-        sample_ws = batch * tokens * INFERENCE_UNITS * m.dim * a  # CFG's two forwards run one after the other
-        enc_tokens = txt_tokens + 34  # + the template's system prefix, which the encoder reads too
-        encode = prompts * enc_tokens * ((m.text_encoder_layers + 1) * m.text_encoder_width + m.text_encoder_vocab) * a
-        decode = decoded * cfg.model.height * cfg.model.width * m.vae_width * a * 4
-        size, which = max((sample_ws, "sampling"), (encode, "prompt encoding"), (decode, "VAE decode"))
-        how = (f"largest of: sampling {_gib(sample_ws)} ({batch} x {tokens} tokens), prompt encoding {_gib(encode)} "
-               f"({prompts} prompts, all hidden states + logits), VAE decode {_gib(decode)} ({decoded} images, rough)")
-        return Term("activations", f"no-grad working set ({which})", size, how)
-
-    # The rank samples in chunks of sample.batch_size, encodes its distinct prompts at once and
-    # decodes all its samples at once (`rollout.rollout`).
-    ro_batch = min(sc.batch_size, local_samples)
-    ro_work = sampling(ro_batch, math.ceil(local_samples / tc.group_size), local_samples, layout.sp)
-    rollout_terms = [weights, *frozen_parts, *[t for t in copies if "reference" in t.name], *train_state, ro_work, buffers[0]]
-    rollout = Role("rollout", f"the trainer's {layout.gpus} GPU(s), between updates", rollout_terms,
-                   "sampling with theta_k inside `spotlight train`; gradients stay allocated until the next zero_grad")
-    explorer_weights = Term("weights", "transformer" + (" + LoRA" if layout.lora_rank else ""),
-                            m.transformer_bytes + lora_params * m.lora_bytes_per_param * bool(layout.lora_rank), "stale theta_{k-1}, no gradients")
-    ex_batch = cfg.explore.batch_size
-    ex_traj = (sc.num_steps + 1) * ex_batch * img_tokens * channels * 4
-    explorer = Role("explorer", "each spot GPU (one Explorer actor)",
-                    [explorer_weights, *frozen_parts, sampling(ex_batch, min(ex_batch, tc.prompts_per_iteration), ex_batch, layout.sp),
-                     Term("buffers", "candidate trajectories", ex_traj, f"{sc.num_steps + 1} latents x {ex_batch} candidates, fp32")],
-                    "no explorers run with explore.mode=none" if cfg.explore.mode == "none" else "")
-    shapes = {
-        "image_tokens": img_tokens, "text_tokens": txt_tokens, "samples_per_forward": cfg_factor * per_forward,
-        "samples_per_gpu": local_samples, "dtype": cfg.model.dtype, "lora_rank": layout.lora_rank,
-        "gradient_checkpointing": layout.gradient_checkpointing, "sp": layout.sp, "fsdp": layout.fsdp, "data_parallel": layout.dp,
-    }  # fmt: skip
-    return [trainer, rollout, explorer], shapes
 
 
 # -- suggestions -----------------------------------------------------------------------------------
@@ -605,65 +361,6 @@ def recipe_kind(path: str | None) -> str:
     return "vlm" if isinstance(data, dict) and ({"rollout", "task"} & set(data)) else "dit"
 
 
-def plan_dit(recipe: str | None, overrides: list[str], gpus: int, gpu_mem_gib: float) -> Plan:
-    """The DiT plan: roles, sources and suggestions for `recipe` on `gpus` GPUs of `gpu_mem_gib`."""
-    from spotlight.config import DiTRecipe
-    from spotlight.config_io import load_config
-    from spotlight.policy import default_model_path
-
-    cfg = load_config(DiTRecipe, recipe, overrides)
-    m = load_dit_model(cfg.model.path, cfg.model.dtype)
-    rewards = reward_models(cfg.reward.weights, cfg.reward.options())
-    folder = Path(cfg.model.path).expanduser() if cfg.model.path else default_model_path()
-    txt_tokens, txt_source = dit_text_tokens(cfg, folder)
-    base = Layout(gpus=gpus, gradient_checkpointing=cfg.model.gradient_checkpointing, lora_rank=cfg.model.lora_rank)
-    roles, shapes = dit_roles(cfg, m, rewards, base, txt_tokens)
-    shapes["text_tokens_source"] = txt_source
-    sources = dict(m.sources, **{f"reward:{r.name}": r.source for r in rewards})
-    plan = Plan(str(recipe or "(embedded tiny-shapes default)"), "dit", gpus, gpu_mem_gib, sources, shapes, roles)
-
-    def roles_for(layout: Layout) -> list[Role]:
-        return dit_roles(cfg, m, rewards, layout, txt_tokens)[0]
-
-    def roles_at(minibatch: int) -> list[Role]:
-        smaller = replace(cfg, train=replace(cfg.train, minibatch_size=minibatch * base.dp))
-        return dit_roles(smaller, m, rewards, base, txt_tokens)[0]
-
-    per_forward = shapes["samples_per_forward"] // (2 if cfg.sample.guidance_scale > 1 else 1)
-    plan.suggestions = suggest(plan, roles_for, base, heads=m.heads, sp_trains=False, gc_option=True,
-                               batch_knob=("train.minibatch_size per GPU", per_forward, roles_at) if per_forward > 1 else None)
-    plan.suggestions += _dit_notes(plan, cfg, m, rewards, base, txt_tokens)
-    return plan
-
-
-def _dit_notes(plan: Plan, cfg, m: DiTModel, rewards: list[RewardModel], base: Layout, txt_tokens: int) -> list[str]:
-    """What to change when the rollout's VAE decode or an explorer does not fit."""
-    out = []
-    usable = plan.usable_bytes
-    rollout, explorer = plan.role("rollout"), plan.role("explorer")
-    work = next(t for t in rollout.terms if t.group == "activations")
-    if not plan.fits(rollout) and "VAE decode" in work.name and work.bytes > usable / 4:
-        n = plan.shapes["samples_per_gpu"]
-        chunk = min(cfg.sample.batch_size, n)
-        out.append(f"rollout: `rollout.rollout` decodes all {n} samples of a GPU at once ({_gib(work.bytes)} of VAE activations, rough); "
-                   f"decoding in chunks of sample.batch_size={chunk} would need about {_gib(work.bytes * chunk / n)}, or use more GPUs")
-    if explorer.total <= usable:
-        return out
-    fixed = sum(t.bytes for t in explorer.terms if t.group == "weights")
-    if fixed > usable:
-        return out + [f"explorer: its weights alone need {_gib(fixed)} > {_gib(usable)}: use larger spot GPUs (SP replicates weights)"]
-    for sp in [d for d in (2, 4, 8) if m.heads % d == 0]:
-        ex = dit_roles(cfg, m, rewards, replace(base, sp=sp), txt_tokens)[0][2]
-        if ex.total <= usable:
-            return out + [f"explorer: SP degree {sp} (spot/sp_worker.py groups) brings its working set under the limit: {_gib(ex.total)}"]
-    for batch in range(cfg.explore.batch_size - 1, 0, -1):
-        smaller = replace(cfg, explore=replace(cfg.explore, batch_size=batch))
-        ex = dit_roles(smaller, m, rewards, base, txt_tokens)[0][2]
-        if ex.total <= usable:
-            return out + [f"explorer: explore.batch_size={batch} fits ({_gib(ex.total)})"]
-    return out + ["explorer: no SP degree or explore.batch_size fits: use larger spot GPUs"]
-
-
 def plan_recipe(recipe: str | None, overrides: list[str], *, gpus: int, gpu_mem_gib: float) -> Plan:
     """Estimate the memory of every role of a DiT or VLM recipe on `gpus` GPUs of `gpu_mem_gib` GiB.
 
@@ -680,6 +377,8 @@ def plan_recipe(recipe: str | None, overrides: list[str], *, gpus: int, gpu_mem_
         from vlm.plan import plan_vlm
 
         return plan_vlm(recipe, overrides, gpus, gpu_mem_gib)
+    from spotlight.plan_dit import plan_dit
+
     return plan_dit(recipe, overrides, gpus, gpu_mem_gib)
 
 

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from planners import RewardTable, synthetic_reward_table
+from planners import synthetic_reward_table
 from spot.jobqueue import Job
 from spot.sim import POLICIES, Learning, Profile, Setup, compare, load_profile, profile_from_run, simulate
 from spot.sim.engine import Cluster, EventLoop
