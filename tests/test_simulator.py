@@ -219,3 +219,31 @@ def test_cli_writes_json_and_plots(tmp_path, capsys):
                "--trainer-gpus", "1", "--spot-gpus", "2", "--out", str(out), "--json"])  # fmt: skip
     assert rc == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ondemand"]["iterations"] < rows["ondemand"]["iterations"]
+
+
+def test_push_baseline_keeps_jobs_where_they_were_pushed():
+    # n0 steps at 1 s, n1 at 2 s; 4 jobs of 6 steps. Push: 2 jobs each -> n1 needs 24 s. Pull: n0 runs
+    # jobs 0 and 2 (12 s) while n1 runs job 1 (12 s); n1 pulls job 3 at 12 s, and the free, faster n0
+    # takes it over through a commit after n1's first step (14 s): 5 more steps -> 19 s.
+    trace = trace_of((0.0, "n0", "add", None), (0.0, "n1", "add", None))
+    ends = {}
+    for scheduler in ("push", "pull"):
+        loop = EventLoop()
+        c = Cluster(loop, small_profile(), trace, on_demand_gpus=0, wrap=False, initial_ready=True,
+                    node_speed=lambda n: 1.0 if n == "n0" else 0.5)  # fmt: skip
+        res = c.run_phase(jobs(4), 6, version=0, pools=(True,), scheduler=scheduler)
+        assert res.done == set(range(4))
+        ends[scheduler] = res.end_s
+    assert ends == {"push": pytest.approx(24.0), "pull": pytest.approx(19.0)}
+
+
+def test_push_re_pushes_a_lost_workers_jobs_to_the_workers_ready():
+    trace = trace_of((0.0, "n0", "add", None), (0.0, "n1", "add", None), (3.5, "n1", "preempt", None))
+    loop = EventLoop()
+    c = Cluster(loop, small_profile(), trace, on_demand_gpus=0, wrap=False, initial_ready=True)
+    res = c.run_phase(jobs(4), 6, version=0, pools=(True,), scheduler="push")
+    # n1 held jobs 1 and 3; declared lost at 5.5 s, both go to n0, job 1 from its commit at step 2.
+    assert res.done == set(range(4)) and res.recomputed_steps == 1
+    assert res.end_s == pytest.approx(6 + 6 + 4 + 6)
+    with pytest.raises(ValueError, match="scheduler"):
+        c.run_phase(jobs(1), 6, version=0, pools=(True,), scheduler="round-robin")

@@ -187,6 +187,8 @@ class Cluster:
         self.timeline: list[tuple[float, int, int]] = []
         """(t, spot GPUs held, spot GPUs in workers) after every capacity change."""
         self._queue: JobQueue | None = None
+        self._push = False
+        self._orphaned: list[str] = []
         self._phase_pools: tuple[bool, ...] = ()
         self._phase_version = 0
         self._phase_steps = 0
@@ -306,7 +308,7 @@ class Cluster:
         w.gen += 1
         w.state = "left"
         if self._queue is not None:
-            self._queue.worker_lost(w.wid)  # holds no lease; fence the old id
+            self._lost_to_queue(w.wid)  # holds no lease; fence the old id
         self._new_worker(gpus, spot=True, speed=min(self.node_speed(n) for n in gpus), available_at=self.loop.now + delay)
 
     def _leave(self, w: Worker) -> None:
@@ -314,7 +316,7 @@ class Cluster:
         w.gen += 1
         w.state = "left"
         if self._queue is not None:
-            self._queue.worker_lost(w.wid)  # it released its lease already; fence it
+            self._lost_to_queue(w.wid)  # it released its lease already; fence it
         self._survivors(w, delay=0.0)
         self._record()
 
@@ -337,7 +339,22 @@ class Cluster:
 
     def _declare_lost(self, queue: JobQueue, wid: str) -> None:
         if queue is self._queue:
-            queue.worker_lost(wid)
+            self._lost_to_queue(wid)
+
+    def _lost_to_queue(self, wid: str) -> None:
+        """Fence `wid` (its job resumes from the last commit); push re-pushes its assigned jobs."""
+        self._queue.worker_lost(wid)
+        if self._push:
+            self._orphaned.append(wid)
+            self._repush()
+
+    def _repush(self) -> None:
+        """As `PushScheduler`: a lost worker's jobs go round robin to the workers ready now."""
+        targets = [w.wid for w in self.live_workers() if w.spot in self._phase_pools and w.available_at <= self.loop.now]
+        if self._orphaned and targets:
+            for wid in self._orphaned:
+                self._queue.reassign(wid, targets)
+            self._orphaned.clear()
 
     def _survivors(self, w: Worker, *, delay: float, exclude: str | None = None) -> None:
         """The GPUs of a lost group that are still up form a new group after the re-form cost."""
@@ -385,12 +402,29 @@ class Cluster:
         version: int,
         pools: tuple[bool, ...],
         deadline: float = math.inf,
+        scheduler: str = "pull",
     ) -> PhaseResult:
         """Run `jobs` (all of weights `version`) on the workers of `pools` (False: on-demand, True:
-        spot) until every job is delivered or `deadline` comes (the rest is cut)."""
+        spot) until every job is delivered or `deadline` comes (the rest is cut).
+
+        `scheduler="push"` is the `PushScheduler` baseline: jobs assigned round robin up front to
+        the workers ready at submission, a lost worker's jobs re-pushed to the workers ready then
+        (when none is, at the next worker that becomes ready), no hand-off.
+        """
+        if scheduler not in ("pull", "push"):
+            raise ValueError(f"scheduler must be 'pull' or 'push', got {scheduler!r}")
         p = self.profile
-        queue = JobQueue(lease_timeout_s=1e12, clock=lambda: self.loop.now, handoff_steps=num_steps if self.handoff else 0)
-        queue.submit(list(jobs))
+        self.loop.run_until(lambda: False, self.loop.now)  # what happens at this instant (nodes arriving) first
+        self._push, self._orphaned = scheduler == "push", []
+        handoff = self.handoff and not self._push
+        queue = JobQueue(lease_timeout_s=1e12, clock=lambda: self.loop.now, handoff_steps=num_steps if handoff else 0)
+        assignees = None
+        if self._push:
+            ready = [w.wid for w in self.live_workers() if w.spot in pools and w.available_at <= self.loop.now]
+            if not ready:
+                raise ValueError("push needs ready workers at submission")
+            assignees = [ready[i % len(ready)] for i in range(len(jobs))]
+        queue.submit(list(jobs), assignees)
         self._queue, self._phase_pools, self._phase_version, self._phase_steps = queue, pools, version, num_steps
         self._cut_steps = 0
         start = self.loop.now
@@ -427,6 +461,8 @@ class Cluster:
             self._leave(w)
             return
         w.state = "busy"
+        if self._push:
+            self._repush()  # a worker became ready: jobs waiting for one go to it
         self._pull(w, w.gen)
 
     def _pull(self, w: Worker, gen: int) -> None:
