@@ -17,17 +17,68 @@ sequence and token counts) are the global ones (`vlm.train.UpdateShard`).
 Only rank 0 writes: metrics, images, checkpoints, the cost ledger, the Ray explorers. With one
 process (`WORLD_SIZE` unset or 1) every method is the identity and nothing is initialised, so the
 single-process path is unchanged; `torch.distributed` is part of torch (accelerate is never imported).
+
+FSDP (an accelerate config with `distributed_type: FSDP`, `fsdp_version: 2`; configs/accelerate/fsdp.yaml)
+shards the DiT's transformer instead of replicating it: torch's FSDP2 `fully_shard` on every
+`QwenImageTransformerBlock` and then on the root, so each rank holds 1/world_size of the weights,
+gradients and AdamW state. The settings come from the variables `accelerate launch` exports
+(`FSDPSettings.from_env`). FSDP's collectives need every rank to make the same forward and backward
+calls, so under FSDP: a rank with none of a minibatch's samples runs it on a zero-weight row
+(`GRPOTrainer`), rollouts are padded to the same number of samples on every rank (`num_padding`),
+the backward's reduce-scatter sums (divide factor 1) instead of `all_reduce_grads`, the gradient
+norm is the global one (`clip_grad_norm_`), evaluation runs on every rank, and checkpoints are
+gathered to rank 0 in the one-process layout (`gather_train_state`, `load_train_state`). The
+frozen text encoder and VAE stay whole on every rank: they take no gradients and no optimizer
+state, run only under no_grad, and sharding them would add an all-gather per layer to every
+prompt encoding and decode for memory that a bf16 7B encoder (~15 GiB) leaves to spare.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from spotlight.rewards import RewardResult
+
+
+@dataclass
+class FSDPSettings:
+    """How to shard the transformer, from the `FSDP_*` variables `accelerate launch` sets from `fsdp_config`."""
+
+    block_classes: tuple[str, ...] = ("QwenImageTransformerBlock",)
+    """Class names of the modules sharded one by one (`fsdp_transformer_layer_cls_to_wrap`)."""
+    reshard_after_forward: bool = True
+    """Free the gathered weights of a block after its forward (`fsdp_reshard_after_forward`; FULL_SHARD)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward (`fsdp_activation_checkpointing`)."""
+    bf16: bool = False
+    """Compute in bfloat16 from float32 shards, reduce gradients in float32 (accelerate's `mixed_precision: bf16`)."""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> FSDPSettings:
+        """The settings of an FSDP launch; ValueError for the options spotlight does not implement."""
+        if env.get("FSDP_VERSION", "1") != "2":
+            raise ValueError(
+                f"this accelerate config asks for FSDP version {env.get('FSDP_VERSION', '1')} (accelerate's default is 1); "
+                "spotlight shards with FSDP2: set fsdp_config.fsdp_version: 2 (configs/accelerate/fsdp.yaml), "
+                "or launch with configs/accelerate/multi-gpu-ddp.yaml (cpu-2proc.yaml on CPU) for full replicas"
+            )
+        if env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true":
+            raise ValueError("fsdp_offload_params: true is not supported by spotlight's FSDP; set it to false")
+        precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+        if precision not in ("no", "bf16"):
+            raise ValueError(f"mixed_precision: {precision} is not supported with FSDP; use bf16 or 'no'")
+        classes = tuple(c.strip() for c in env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if c.strip())
+        return cls(
+            block_classes=classes or cls.block_classes,
+            reshard_after_forward=env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() not in ("false", "no_shard", "shard_grad_op"),
+            activation_checkpointing=env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true",
+            bf16=precision == "bf16",
+        )
 
 
 @dataclass
@@ -42,11 +93,25 @@ class DataParallel:
     """Where collectives run: this process's GPU with NCCL, the CPU with gloo."""
     owns_group: bool = False
     """Whether `init_data_parallel` created the process group (and `close` destroys it)."""
+    fsdp: FSDPSettings | None = None
+    """Set when the transformer is sharded with FSDP2 (`shard_transformer`), None for full replicas."""
 
     @property
     def is_main(self) -> bool:
         """Rank 0: the process that writes metrics, images and checkpoints."""
         return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the transformer is sharded (FSDP): then every rank must run every forward and backward."""
+        return self.fsdp is not None
+
+    def num_padding(self, num_samples: int) -> int:
+        """Samples this rank adds to its shard of num_samples so that every rank runs as many (FSDP)."""
+        if not self.sharded:
+            return 0
+        lo, hi = self.shard(num_samples)
+        return -(-num_samples // self.world_size) - (hi - lo)
 
     def shard(self, num_samples: int) -> tuple[int, int]:
         """[lo, hi) of this rank's contiguous share of num_samples (sizes differ by at most one)."""
@@ -93,8 +158,9 @@ class DataParallel:
 
         A parameter without a gradient on every rank keeps `grad = None`, as it would in one
         process (AdamW skips it); one with a gradient somewhere gets zeros from the other ranks.
+        Under FSDP the backward has already summed them (a reduce-scatter with divide factor 1).
         """
-        if self.world_size == 1:
+        if self.world_size == 1 or self.sharded:
             return
         import torch.distributed as dist
 
@@ -110,6 +176,19 @@ class DataParallel:
         for p, anywhere in zip(params, flat[offset:].tolist()):
             if anywhere == 0:
                 p.grad = None
+
+    def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip the gradients of `params` to a global norm of max_norm; returns the norm before clipping.
+
+        Under FSDP the gradients are shards (DTensors): the norm of the local shards is reduced over
+        ranks (`full_tensor`), so every rank clips by the norm of the whole gradient.
+        """
+        if not self.sharded:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads).full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
 
     def sum_lists(self, lists: dict[str, list[float]]) -> dict[str, list[float]]:
         """Elementwise sum over ranks of equally long lists of numbers (per-rank shares of a statistic)."""
@@ -136,22 +215,29 @@ class DataParallel:
             self.owns_group = False
 
 
-def init_data_parallel() -> DataParallel:
+def init_data_parallel(*, supports_fsdp: bool = False) -> DataParallel:
     """The data-parallel layout of this process, from the launcher's environment.
 
     `accelerate launch` and `torchrun` set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
     MASTER_PORT; without them (a plain `spotlight train`) this is the one-process layout and
-    nothing is initialised. The backend is NCCL when CUDA is present, else gloo (a MULTI_GPU
+    nothing is initialised. An FSDP config (ACCELERATE_USE_FSDP) adds `FSDPSettings`; the driver
+    then shards the transformer with `shard_transformer`. A trainer that does not shard
+    (`supports_fsdp` False: the VLM trainer) refuses an FSDP launch rather than run full replicas
+    under a config that promises sharding. The backend is NCCL when CUDA is present, else gloo (a MULTI_GPU
     accelerate config on a machine without GPUs gives gloo processes: configs/accelerate/cpu-2proc.yaml).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return DataParallel()
+    fsdp = None
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-        raise ValueError(
-            "this accelerate config asks for FSDP, which spotlight's trainer does not shard yet: every rank "
-            "holds the whole model; launch with configs/accelerate/multi-gpu-ddp.yaml (or cpu-2proc.yaml on CPU)"
-        )
+        if not supports_fsdp:
+            raise ValueError(
+                "this accelerate config asks for FSDP, which only the DiT trainer (`spotlight train`) shards; this "
+                "trainer keeps a full replica per rank: launch with configs/accelerate/multi-gpu-ddp.yaml (or "
+                "cpu-2proc.yaml on CPU)"
+            )
+        fsdp = FSDPSettings.from_env(dict(os.environ))
     import torch.distributed as dist
 
     device = torch.device("cpu")
@@ -160,9 +246,9 @@ def init_data_parallel() -> DataParallel:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if dist.is_initialized():
-        return DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+        return DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, fsdp=fsdp)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return DataParallel(rank=dist.get_rank(), world_size=world_size, device=device, owns_group=True)
+    return DataParallel(rank=dist.get_rank(), world_size=world_size, device=device, owns_group=True, fsdp=fsdp)
 
 
 def gather_rewards(dp: DataParallel, local: RewardResult) -> RewardResult:
@@ -172,3 +258,160 @@ def gather_rewards(dp: DataParallel, local: RewardResult) -> RewardResult:
     total_B = dp.all_gather_rows(local.total_B)
     components = {name: dp.all_gather_rows(value) for name, value in local.components.items()}
     return RewardResult(total_B, components, num_failed=int(torch.isnan(total_B).sum()))
+
+
+# -- FSDP: sharding the transformer ---------------------------------------------------------------
+
+
+def shard_transformer(policy, dp: DataParallel) -> tuple[int, int]:
+    """Shard `policy.transformer` in place with FSDP2 as `dp.fsdp` says; returns (local, full) parameter counts.
+
+    Every rank first takes rank 0's trainable weights (accelerate's `fsdp_sync_module_states`: a
+    LoRA adapter's init is drawn per process); the frozen base is loaded from the same files
+    everywhere. Then each block and the root are `fully_shard`ed: afterwards every parameter is a
+    DTensor holding 1/world_size of its rows on this rank. The gradient reduction sums (divide
+    factor 1): the trainer weights each rank's loss by its share of the minibatch, as with
+    `all_reduce_grads`, so the sum is the one-process gradient.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    settings = dp.fsdp
+    assert settings is not None
+    tr = policy.transformer
+    dp.broadcast_tensors([p for p in tr.parameters() if p.requires_grad])
+    if settings.activation_checkpointing:
+        # diffusers' own checkpointing of each block's forward: the parameter names stay those of
+        # the one-process model (a checkpoint_wrapper would insert `_checkpoint_wrapped_module.`).
+        tr.enable_gradient_checkpointing()
+    # bf16: compute in bf16 from float32 shards (the optimizer's master weights), reduce in float32.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if settings.bf16 else MixedPrecisionPolicy()
+    blocks = [m for m in tr.modules() if type(m).__name__ in settings.block_classes]
+    if not blocks:
+        raise ValueError(
+            f"fsdp_transformer_layer_cls_to_wrap names {list(settings.block_classes)}, which the transformer "
+            f"({type(tr).__name__}) does not contain; use QwenImageTransformerBlock"
+        )
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=settings.reshard_after_forward, mp_policy=mp)
+    fully_shard(tr, mp_policy=mp)  # the root keeps its (small) weights gathered between forward and backward
+    for m in tr.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            # A plain SUM: gloo has no PREMUL_SUM, and with factor 1 there is nothing to multiply.
+            m.set_force_sum_reduction_for_comms(True)
+    local = sum(p.to_local().numel() for p in tr.parameters())
+    return local, sum(p.numel() for p in tr.parameters())
+
+
+@contextmanager
+def swapped_shards(transformer, params: list[torch.Tensor], values: list[torch.Tensor]):
+    """Run with `values` (clones of this rank's shards of `params`) as the sharded weights, then restore.
+
+    The FSDP form of swapping in another set of weights (the old policy, the KL reference): a
+    deepcopy of a sharded module is not one, and a whole copy per rank is what FSDP avoids. The
+    modules are resharded first, so the next forward gathers the swapped shards, and again at
+    the end, so that the backward of an earlier forward gathers the restored ones.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in transformer.modules() if isinstance(m, FSDPModule)]
+    with torch.no_grad():
+        for m in modules:
+            m.reshard()
+        current = [p.detach().clone() for p in params]
+        for p, v in zip(params, values):
+            p.copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m in modules:
+                m.reshard()
+            for p, c in zip(params, current):
+                p.copy_(c)
+
+
+def _trainable_names(transformer) -> list[str]:
+    """Names of the trainable parameters, in the optimizer's order (`GRPOTrainer.params`)."""
+    return [n for n, p in transformer.named_parameters() if p.requires_grad]
+
+
+def _peft_to_model_keys(transformer) -> dict[str, str]:
+    """peft's key (`get_peft_model_state_dict`, adapter name dropped) of each LoRA parameter -> its model name."""
+    from peft.utils import get_peft_model_state_dict
+
+    names = [n for n, _ in transformer.named_parameters()]
+    tagged = get_peft_model_state_dict(transformer, state_dict={n: torch.tensor(i) for i, n in enumerate(names)})
+    return {key: names[int(tag)] for key, tag in tagged.items()}
+
+
+def gather_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
+    """(trainable weights, optimizer state) in the one-process layout on rank 0, None on the others.
+
+    The weights are `policy.trainable_state`'s dict, the optimizer state is `optimizer.state_dict()`
+    (parameters by index). Under FSDP every rank must call this (it gathers the shards to rank 0's CPU).
+    """
+    from spotlight.policy import trainable_state
+
+    if not dp.sharded:
+        return (trainable_state(policy), optimizer.state_dict()) if dp.is_main else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    tr = policy.transformer
+    # Full tensors on rank 0's CPU (the others get {}); only the trainable weights: with LoRA the
+    # frozen base is not gathered.
+    weights = get_model_state_dict(tr, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+    optim = get_optimizer_state_dict(tr, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not dp.is_main:
+        return None
+    if policy.has_lora:
+        from peft.utils import get_peft_model_state_dict
+
+        weights = get_peft_model_state_dict(tr, state_dict=weights)
+    index = {name: i for i, name in enumerate(_trainable_names(tr))}
+    optim = {
+        "state": {index[name]: s for name, s in optim["state"].items()},
+        "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in optim["param_groups"]],
+    }
+    return weights, optim
+
+
+def load_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict) -> None:
+    """Load `gather_train_state`'s layout (a checkpoint) into the policy and optimizer; a collective under FSDP.
+
+    Under FSDP rank 0's dicts are broadcast and each rank keeps its shards (the others' are ignored).
+    """
+    from spotlight.policy import load_trainable_state
+
+    if not dp.sharded:
+        load_trainable_state(policy, weights)
+        optimizer.load_state_dict(optim_state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    tr = policy.transformer
+    names = _trainable_names(tr)
+    if policy.has_lora:
+        to_model = _peft_to_model_keys(tr)
+        unexpected = sorted(set(weights) - set(to_model))
+        if unexpected:
+            raise ValueError(f"LoRA state has keys this model lacks (different lora_rank or model?): {unexpected[:3]}")
+        weights = {to_model[k]: v for k, v in weights.items()}
+    optim = {
+        "state": {names[i]: s for i, s in optim_state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim_state["param_groups"]],
+    }
+    # Not strict: with LoRA the frozen base is not in the checkpoint, and parameters that never had a
+    # gradient (the last block's text stream, whose output the model drops) have no AdamW state,
+    # as in `optimizer.state_dict()` of one process.
+    from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not policy.has_lora)
+    set_model_state_dict(tr, weights if dp.is_main else {}, options=from_rank0)
+    from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_optimizer_state_dict(tr, optimizer, optim if dp.is_main else {}, options=from_rank0)
+    # set_optimizer_state_dict first creates a state for every parameter (one AdamW step with zero
+    # gradients and lr 0); drop those of the parameters the checkpoint has none for, so that they
+    # stay stateless as in the uninterrupted run and the next checkpoint has the same entries.
+    saved = set(dp.broadcast_object(sorted(optim["state"]) if dp.is_main else None))
+    for name, p in zip(names, (p for p in tr.parameters() if p.requires_grad)):
+        if name not in saved:
+            optimizer.state.pop(p, None)

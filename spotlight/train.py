@@ -12,6 +12,8 @@ Data parallel (`accelerate launch` or `torchrun`, see `distributed.py`): the glo
 seeds are the one-process ones; each rank rolls out a contiguous slice of the P * G samples, the
 rewards are all-gathered before the group advantages, gradients are summed over ranks in the
 update, and only rank 0 writes (metrics, images, checkpoints, cost) and drives the explorers.
+Under FSDP the transformer is sharded (`distributed.shard_transformer`): every rank then runs every
+forward (padded rollouts, evaluation on all ranks) and checkpoints are gathered to rank 0.
 
 Cost: every iteration charges its wall time to the run's ledger (`spot.cost`, `cost.json`): the
 trainer's GPUs at the on-demand price, and the spot GPUs the Ray cluster holds at the spot price.
@@ -34,16 +36,18 @@ from spot.cost import CostLedger, spot_gpus_held
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
-from spotlight.distributed import DataParallel, gather_rewards, init_data_parallel
+from spotlight.distributed import (
+    DataParallel, gather_rewards, gather_train_state, init_data_parallel, load_train_state, shard_transformer,
+)  # fmt: skip
 from spotlight.evaluate import evaluate
 from spotlight.explore import Exploration, start_exploration
 from spotlight.grpo import group_advantages
 from spotlight.mirror import CheckpointMirror
-from spotlight.policy import load_policy, load_trainable_state, trainable_state
+from spotlight.policy import load_policy
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
-from spotlight.rollout import rollout
-from spotlight.sampling import derive_seed, qwen_image_sigmas, sde_step_indices
+from spotlight.rollout import Rollout, rollout
+from spotlight.sampling import Trajectory, derive_seed, qwen_image_sigmas, sde_step_indices
 from spotlight.tracking import Tracker
 from spotlight.trainer import GRPOTrainer
 
@@ -73,9 +77,15 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
     """Post-train the policy of `cfg` with GRPO, writing config, metrics, images and checkpoints to run_dir."""
     run_dir = Path(run_dir)
     # One process unless launched by accelerate/torchrun; then only rank 0 writes and explores.
-    dp = init_data_parallel()
+    dp = init_data_parallel(supports_fsdp=True)
     mirror, ledger, exploration = None, None, None
     try:
+        if dp.sharded and cfg.explore.mode != "none":
+            # The explorers load full weights from rank 0, which under FSDP holds only its shards.
+            raise ValueError(
+                f"explore.mode={cfg.explore.mode} is not supported with FSDP yet: set explore.mode=none, or launch "
+                "with configs/accelerate/multi-gpu-ddp.yaml (full replicas)"
+            )
         if dp.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             mirror = CheckpointMirror(cfg.log.store_url, keep_last=cfg.log.keep_last) if cfg.log.store_url else None
@@ -114,6 +124,16 @@ def _train(
 
     train_prompts, eval_prompts = train_and_eval_prompts(cfg.data, cfg.reward.weights)
     policy = load_policy(cfg.model)
+    P, G = cfg.train.prompts_per_iteration, cfg.train.group_size
+    if dp.sharded:
+        if P * G < dp.world_size:
+            raise ValueError(
+                f"FSDP on {dp.world_size} processes needs a sample per rank: raise train.prompts_per_iteration * "
+                f"train.group_size ({P * G})"
+            )
+        local, full = shard_transformer(policy, dp)
+        counts = dp.all_gather_rows(torch.tensor([local])).tolist()
+        console.print(f"fsdp: transformer sharded over {dp.world_size} ranks, local parameters {counts} of {full}")
     trainer = GRPOTrainer(policy, cfg, dp)
     reward_fn = build_reward(cfg.reward.weights, **cfg.reward.options())
     sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
@@ -123,8 +143,7 @@ def _train(
     latest = dp.broadcast_object(find_latest_checkpoint(run_dir) if resume and dp.is_main else None)
     if latest is not None:
         ckpt = load_checkpoint(latest)
-        load_trainable_state(policy, ckpt.tensors["trainable"])
-        trainer.optimizer.load_state_dict(ckpt.optimizer_state)
+        load_train_state(dp, policy, trainer.optimizer, ckpt.tensors["trainable"], ckpt.optimizer_state)
         restore_rng_state(ckpt.rng_state)
         start_iter = ckpt.step
         if exploration is not None and "explore" in ckpt.meta:
@@ -135,12 +154,12 @@ def _train(
         num_ready = exploration.wait_ready(cfg.explore.startup_timeout_s)
         console.print(f"explore.mode={cfg.explore.mode}: {num_ready} explorer(s) ready")
 
-    def checkpoint(step: int, metrics: dict) -> Path:
+    def checkpoint(step: int, metrics: dict, weights: dict, optimizer_state: dict) -> Path:
         step_dir = save_checkpoint(
             run_dir,
             step,
-            tensors={"trainable": trainable_state(policy)},
-            optimizer_state=trainer.optimizer.state_dict(),
+            tensors={"trainable": weights},
+            optimizer_state=optimizer_state,
             rng_state=capture_rng_state(),
             meta={
                 "step": step, "metrics": metrics, "lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
@@ -158,8 +177,9 @@ def _train(
         if ledger is not None:
             ledger.charge(spot_gpus=spot_gpus_held() if exploration is not None else 0)
 
-    P, G = cfg.train.prompts_per_iteration, cfg.train.group_size
     lo, hi = dp.shard(P * G)  # this rank's samples of every iteration (all of them in one process)
+    # Under FSDP every rank rolls out as many samples (sizes differ by at most one): repeats of its last.
+    num_pad = dp.num_padding(P * G)
     if dp.world_size > 1:
         console.print(f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {P * G} samples on rank 0")
     history: list[dict] = []
@@ -183,7 +203,8 @@ def _train(
             # rollout and the update (all G samples, every minibatch) read them (prompt_cache.py).
             policy.prompt_cache.begin_step(prompts[lo:hi])
             ro = rollout(
-                policy, prompts[lo:hi], seeds[lo:hi], sigmas,
+                policy, prompts[lo:hi] + prompts[hi - 1 : hi] * num_pad, seeds[lo:hi] + seeds[hi - 1 : hi] * num_pad,
+                sigmas,
                 noise_level=cfg.sample.noise_level,
                 sde_steps=sde_steps,
                 sde_type=cfg.sample.sde_type,
@@ -191,6 +212,8 @@ def _train(
                 negative_prompt=cfg.sample.negative_prompt,
                 batch_size=cfg.sample.batch_size,
             )  # fmt: skip
+            if num_pad:
+                ro = _first(ro, hi - lo)
             t1 = time.monotonic()
             # 2. Rewards; a failed reward leaves NaN, which drops the sample from its group. Every
             #    rank gets the whole batch's rewards: the group statistics are global.
@@ -233,13 +256,16 @@ def _train(
             if cfg.log.images_every and step % cfg.log.images_every == 0:
                 # The first sample of each of the first 16 groups, from whichever rank rolled it out.
                 firsts = dp.all_gather_rows(ro.images[[i - lo for i in range(0, min(P, 16) * G, G) if lo <= i < hi]])
+            eval_summary = None
+            if cfg.eval.every and step % cfg.eval.every == 0 and (dp.is_main or dp.sharded):
+                # Held-out reward of θ_{k+1}; its time is outside time/iteration_s. Under FSDP
+                # every rank runs the same forwards (they gather the shards), rank 0 reports.
+                eval_summary, _ = evaluate(policy, eval_prompts, reward_fn, cfg, progress=False)
             if dp.is_main:
                 # 7. Publish (rank 0 only): held-out eval, cost, metrics, images.
-                if cfg.eval.every and step % cfg.eval.every == 0:
-                    # Held-out reward of θ_{k+1}; its time is outside time/iteration_s.
-                    summary, _ = evaluate(policy, eval_prompts, reward_fn, cfg, progress=False)
-                    metrics["eval/mean_reward"] = summary["mean_reward"]
-                    metrics["eval/seconds"] = summary["seconds"]
+                if eval_summary is not None:
+                    metrics["eval/mean_reward"] = eval_summary["mean_reward"]
+                    metrics["eval/seconds"] = eval_summary["seconds"]
                 charge_cost()
                 metrics.update(ledger.metrics())
                 tracker.log(metrics, step=step)
@@ -247,8 +273,10 @@ def _train(
                     tracker.log_images("rollout", firsts, prompts[::G][:16], step=step, nrow=4)
             # Rank 0's clock decides for every rank, so that all of them stop after the same iteration.
             out_of_time = dp.broadcast_object(bool(cfg.train.max_minutes and time.monotonic() - began > 60 * cfg.train.max_minutes))
-            if dp.is_main and (step % cfg.log.checkpoint_every == 0 or step == cfg.train.num_iterations or out_of_time):
-                last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith(("time/", "cost/"))})
+            if step % cfg.log.checkpoint_every == 0 or step == cfg.train.num_iterations or out_of_time:
+                state = gather_train_state(dp, policy, trainer.optimizer)  # under FSDP, a collective
+                if dp.is_main:
+                    last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith(("time/", "cost/"))}, *state)
             bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
             if out_of_time:
                 console.print(f"train.max_minutes={cfg.train.max_minutes} reached after iteration {step}")
@@ -261,6 +289,13 @@ def _train(
     summary["usd_total"] = round(ledger.summary()["usd_total"], 4)
     _print_summary(console, summary)
     return summary
+
+
+def _first(ro: Rollout, num: int) -> Rollout:
+    """The first `num` samples of a rollout (the rest is FSDP padding)."""
+    traj = ro.trajectory
+    kept = Trajectory(traj.latents[:, :num], traj.log_probs[:, :num], traj.sigmas, traj.sde_steps)
+    return Rollout(ro.prompts[:num], ro.seeds[:num], kept, ro.images[:num])
 
 
 def _summary(history: list[dict], start_iter: int, seconds: float, last_ckpt: Path | None) -> dict:

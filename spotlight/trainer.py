@@ -11,6 +11,12 @@ Data parallel (`distributed.py`): the rollout holds this rank's contiguous slice
 the advantages are global. Every rank walks the same global minibatches; its loss over its own
 samples is weighted by their share of the minibatch, so the gradients summed over ranks (and the
 statistics) are those of the one-process minibatch.
+
+FSDP (`dp.sharded`): the transformer's weights are shards, gathered block by block in every
+forward and backward, so every rank must run the same forwards: a rank holding none of a
+minibatch's samples runs it on one of its own rows with weight 0 (it adds zero, as the skip does
+without FSDP). The old-policy and reference weights are clones of this rank's shards, swapped in
+for their forwards (`distributed.swapped_shards`), not copies of the module.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import numpy as np
 import torch
 
 from spotlight.config import DiTRecipe
-from spotlight.distributed import DataParallel
+from spotlight.distributed import DataParallel, swapped_shards
 from spotlight.grpo import Advantages, clipped_policy_loss, gaussian_mean_kl, nft_loss, nft_optimality
 from spotlight.policy import DiTPolicy
 from spotlight.rollout import PromptBatch, Rollout, encode, guided_velocity
@@ -41,13 +47,22 @@ class GRPOTrainer:
         if not self.params:
             raise ValueError("the transformer has no trainable parameters (model.lora_rank / model config?)")
         # Every replica starts from rank 0's weights, as DDP does: a LoRA adapter's init is drawn per process.
-        self.dp.broadcast_tensors(self.params)
+        # (A sharded transformer was synchronised before sharding: `distributed.shard_transformer`.)
+        if not self.dp.sharded:
+            self.dp.broadcast_tensors(self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
         # KL reference: the base weights. With LoRA they are the model with its adapter disabled;
         # a full fine-tune needs a frozen copy (memory: one more set of weights).
         self._ref_copy = None
-        if cfg.train.beta > 0 and not policy.has_lora:
+        self._ref_shards = None
+        if cfg.train.beta > 0 and not policy.has_lora and self.dp.sharded:
+            self._ref_shards = self._shards()  # under FSDP: this rank's shards of the base weights
+        elif cfg.train.beta > 0 and not policy.has_lora:
             self._ref_copy = copy.deepcopy(policy.transformer).requires_grad_(False).eval()
+
+    def _shards(self) -> list[torch.Tensor]:
+        """A clone of this rank's shards of the trainable weights (FSDP)."""
+        return [p.detach().clone() for p in self.params]
 
     @contextmanager
     def _swapped(self, transformer):
@@ -66,6 +81,9 @@ class GRPOTrainer:
         if self._ref_copy is not None:
             with self._swapped(self._ref_copy):
                 yield
+        elif self._ref_shards is not None:
+            with swapped_shards(tr, self.params, self._ref_shards):
+                yield
         else:
             tr.disable_adapters()
             try:
@@ -73,16 +91,21 @@ class GRPOTrainer:
             finally:
                 tr.enable_adapters()
 
-    @staticmethod
-    def _mine(idx_M: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """This rank's part [lo, hi) of the global minibatch idx_M: global indices, rollout rows, share of M."""
+    def _mine(self, idx_M: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """This rank's part [lo, hi) of the global minibatch idx_M: global indices, rollout rows, share of M.
+
+        Under FSDP a rank with none of the minibatch gets its first row with share 0: its forward
+        and backward take part in the collectives and add zero.
+        """
         mine = idx_M[(idx_M >= lo) & (idx_M < hi)]
+        if len(mine) == 0 and self.dp.sharded:
+            return torch.tensor([lo]), torch.tensor([0]), 0.0
         return mine, mine - lo, len(mine) / len(idx_M)
 
     def _step(self, grad_norms: list[float]) -> None:
         """Sum the gradients over ranks, clip them and take one optimizer step."""
         self.dp.all_reduce_grads(self.params)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
+        norm = self.dp.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
         grad_norms.append(norm.item())
         self.optimizer.step()
 
@@ -174,9 +197,12 @@ class GRPOTrainer:
         adv_B = adv.adv_PG.reshape(-1)
         lo, hi = self.dp.shard(len(adv_B))
         trainable = torch.nonzero(adv.trainable_PG.reshape(-1)).squeeze(1)
-        # The sampling weights, for v_old after the first optimizer step (a copy only when needed).
+        # The sampling weights, for v_old after the first optimizer step (a copy only when needed;
+        # under FSDP a clone of this rank's shards).
         num_steps = tcfg.num_inner_epochs * math.ceil(len(trainable) / tcfg.minibatch_size)
-        old = copy.deepcopy(self.policy.transformer).requires_grad_(False).eval() if num_steps > 1 else None
+        old = None
+        if num_steps > 1:
+            old = self._shards() if self.dp.sharded else copy.deepcopy(self.policy.transformer).requires_grad_(False).eval()
         first_step = True
         r_B = nft_optimality(adv_B, tcfg.nft_adv_max)
         keys = ["loss", "nft_pos_err", "nft_neg_err"] + (["kl_ref"] if tcfg.beta > 0 else [])
@@ -215,7 +241,11 @@ class GRPOTrainer:
                         # No optimizer step yet: the current weights are the sampling weights.
                         v_old = v.detach()
                     else:
-                        with torch.no_grad(), self._swapped(old):
+                        if self.dp.sharded:
+                            old_weights = swapped_shards(self.policy.transformer, self.params, old)
+                        else:
+                            old_weights = self._swapped(old)
+                        with torch.no_grad(), old_weights:
                             v_old = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
                     loss, s_nft = nft_loss(v, v_old, target, r_B[idx_M], tcfg.nft_beta)
                     if tcfg.beta > 0:

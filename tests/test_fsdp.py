@@ -1,0 +1,176 @@
+"""FSDP (spotlight.distributed.shard_transformer): 2 real gloo processes with a sharded transformer
+against 1 process.
+
+The trainer is launched with the real `accelerate launch` and an FSDP config (`distributed_type:
+FSDP`, FSDP2, full shard, activation checkpointing), the shipped configs/accelerate/fsdp.yaml with
+2 processes and no mixed precision: accelerate starts FSDP launches through torchrun whatever the
+hardware, and exports the `FSDP_*` variables the trainer reads; without a GPU the processes run
+gloo on the CPU. bf16 mixed precision is left out here: it would change the numbers (the
+comparison is against a float32 single process), not the code path of the collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from spotlight.checkpoint import load_checkpoint
+from spotlight.distributed import FSDPSettings
+from spotlight.tracking import read_metrics
+
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_fsdp_config(path: Path) -> Path:
+    """configs/accelerate/fsdp.yaml on 2 local processes, in float32 (see the module docstring)."""
+    cfg = yaml.safe_load((REPO / "configs/accelerate/fsdp.yaml").read_text())
+    cfg.update(num_processes=2, mixed_precision="no")
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def fsdp_overrides(model_dir: Path, iterations: int) -> list[str]:
+    """3 groups of 3: 9 samples, 4 on rank 0 and 5 on rank 1, so rank 0 pads its rollout with one
+    sample to run as many forwards as rank 1 (sample.batch_size=1: one chunk per sample, so the
+    padding does not change the other samples' numbers). Minibatches of 2 out of 9 samples: many of
+    them hold samples of one rank only, and the other rank runs its zero-weight row.
+    """
+    return [
+        f"model.path={model_dir}", "model.height=32", "model.width=32",
+        "sample.num_steps=3", "sample.eval_num_steps=3", "sample.batch_size=1",
+        f"train.num_iterations={iterations}", "train.prompts_per_iteration=3", "train.group_size=3",
+        "train.minibatch_size=2", "train.num_threads=1",
+        "reward.weights.shapes=0.0", "reward.weights.jpeg_compressibility=1.0",
+        "log.checkpoint_every=2", "log.images_every=2", "eval.every=3", "eval.num_seeds=1", "data.num_heldout=4",
+    ]  # fmt: skip
+
+
+def seeded_cli(path: Path) -> Path:
+    """The spotlight CLI with torch's global generator seeded first.
+
+    A LoRA adapter's init is drawn from that generator, which torch seeds at random in each
+    process: seeded, rank 0 (whose init every rank takes) draws the init the reference process draws.
+    """
+    path.write_text("import sys\nimport torch\n\ntorch.manual_seed(0)\nfrom spotlight.cli import main\n\nsys.exit(main(sys.argv[1:]))\n")
+    return path
+
+
+def launch_fsdp(config: Path, script: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [str(ACCELERATE), "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
+           str(script), *args]  # fmt: skip
+    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        # DiffusionNFT with a LoRA adapter: the old-policy forward swaps in cloned shards; peft's
+        # checkpoint keys are mapped to the sharded model's names.
+        ["model.lora_rank=4"],
+        # Flow-GRPO, full fine-tuning, KL to the base weights: the reference is a clone of the shards.
+        ["train.objective=flow_grpo", "sample.noise_level=1.2", "train.beta=0.01"],
+    ],
+    ids=["nft-lora", "flow_grpo-kl"],
+)
+def test_fsdp_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, variant):
+    """FSDP on 2 ranks (interrupted after iteration 2, resumed) == 1 process for 3 iterations.
+
+    Tolerances as in test_distributed.py (rounding: sub-batch losses, gradients summed in another
+    order, the global norm reduced from shard norms): metrics rtol 1e-4 / atol 1e-6, final weights
+    atol 1e-6.
+    """
+    one, two = tmp_path / "one", tmp_path / "two"
+    config = cpu_fsdp_config(tmp_path / "cpu-fsdp.yaml")
+    script = seeded_cli(tmp_path / "seeded_cli.py")
+    # The reference in a fresh process running the same script as the ranks.
+    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(script), "train", *fsdp_overrides(tiny_model_dir, 3), *variant, "--run-dir", str(one), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    proc = launch_fsdp(config, script, "train", *fsdp_overrides(tiny_model_dir, 2), *variant, "--run-dir", str(two))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The parameters were sharded: each rank held half of the transformer's (rows split 2 ways).
+    found = re.search(r"fsdp: transformer sharded over 2 ranks, local parameters \[(\d+), (\d+)\] of (\d+)", proc.stdout)
+    assert found, proc.stdout[-2000:]
+    local0, local1, full = map(int, found.groups())
+    assert local0 + local1 == full and abs(local0 - full / 2) <= 0.01 * full, (local0, local1, full)
+    proc = launch_fsdp(config, script, "train", *fsdp_overrides(tiny_model_dir, 3), *variant, "--run-dir", str(two))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout and "(iteration 2)" in proc.stdout
+
+    rows_one, rows_two = read_metrics(one), read_metrics(two)
+    assert [r["step"] for r in rows_two] == [1, 2, 3]
+    assert "eval/mean_reward" in rows_two[2]
+    for a, b in zip(rows_one, rows_two):
+        assert a["grpo/num_trained_samples"] == b["grpo/num_trained_samples"] == 9
+        for key, value in a.items():
+            if not key.startswith(("time/", "cost/")) and key != "eval/seconds":
+                assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
+    # The checkpoint is the one-process layout: same keys, same optimizer state layout.
+    ckpt_one, ckpt_two = load_checkpoint(one), load_checkpoint(two)
+    assert ckpt_one.step == ckpt_two.step == 3
+    assert ckpt_two.tensors["trainable"].keys() == ckpt_one.tensors["trainable"].keys()
+    for key, value in ckpt_one.tensors["trainable"].items():
+        torch.testing.assert_close(ckpt_two.tensors["trainable"][key], value, rtol=0, atol=1e-6, msg=key)
+    state_one, state_two = ckpt_one.optimizer_state, ckpt_two.optimizer_state
+    assert state_two["state"].keys() == state_one["state"].keys()
+    assert [g["params"] for g in state_two["param_groups"]] == [g["params"] for g in state_one["param_groups"]]
+    for i, s in state_one["state"].items():
+        torch.testing.assert_close(state_two["state"][i]["exp_avg"], s["exp_avg"], rtol=0, atol=1e-6)
+    # The weights moved: the comparison is not between two untrained models.
+    assert any(v.abs().max() > 0 for k, v in ckpt_two.tensors["trainable"].items() if "lora_B" in k) or "model.lora_rank=4" not in variant
+    from safetensors.torch import load_file
+
+    base = load_file(next((tiny_model_dir / "transformer").glob("*.safetensors")))
+    assert any(not torch.equal(base[k], v) for k, v in ckpt_two.tensors["trainable"].items() if k in base) or "model.lora_rank=4" in variant
+
+
+def test_fsdp_launch_of_a_trainer_that_does_not_shard_is_refused(monkeypatch):
+    """The VLM trainer calls init_data_parallel() without supports_fsdp: refused, naming the DDP config."""
+    from spotlight.distributed import init_data_parallel
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.raises(ValueError, match="only the DiT trainer.*multi-gpu-ddp.yaml"):
+        init_data_parallel()
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match="fsdp_version: 2"):
+        init_data_parallel(supports_fsdp=True)
+
+
+def test_fsdp_settings_from_accelerate_environment():
+    """The variables `accelerate launch` exports for configs/accelerate/fsdp.yaml, and the refusals."""
+    env = {
+        "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_ACTIVATION_CHECKPOINTING": "true",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": "QwenImageTransformerBlock", "FSDP_OFFLOAD_PARAMS": "false",
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+    }  # fmt: skip
+    s = FSDPSettings.from_env(env)
+    assert (s.block_classes, s.reshard_after_forward, s.activation_checkpointing, s.bf16) == (
+        ("QwenImageTransformerBlock",), True, True, True,
+    )  # fmt: skip
+    assert not FSDPSettings.from_env({**env, "FSDP_RESHARD_AFTER_FORWARD": "false", "ACCELERATE_MIXED_PRECISION": "no"}).bf16
+    with pytest.raises(ValueError, match="fsdp_version: 2"):
+        FSDPSettings.from_env({**env, "FSDP_VERSION": "1"})
+    with pytest.raises(ValueError, match="fsdp_offload_params"):
+        FSDPSettings.from_env({**env, "FSDP_OFFLOAD_PARAMS": "true"})
+    with pytest.raises(ValueError, match="fp16"):
+        FSDPSettings.from_env({**env, "ACCELERATE_MIXED_PRECISION": "fp16"})
