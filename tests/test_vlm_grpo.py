@@ -45,6 +45,25 @@ def test_clipping_stops_the_gradient_only_outside_the_trust_region():
     torch.testing.assert_close(grad[2], torch.tensor(1.5))
 
 
+def test_clip_higher_widens_only_the_upper_bound():
+    old_BT = torch.zeros(4, 1)
+    # ratios 1.25 and 0.75; DAPO's clip-higher (eps_high 0.28) keeps r = 1.25 with A > 0 in range.
+    logp_BT = torch.log(torch.tensor([[1.25], [0.75], [1.25], [0.75]])).requires_grad_(True)
+    adv_B = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    clipped_surrogate(logp_BT, old_BT, adv_B, 0.2, 0.28).sum().backward()
+    grad = logp_BT.grad.squeeze(1)
+    torch.testing.assert_close(grad[0], torch.tensor(-1.25))  # symmetric 0.2 would clip it (grad 0)
+    assert grad[1] == 0  # A < 0, r < 1 - eps: still clipped below
+    torch.testing.assert_close(grad[2], torch.tensor(1.25))
+    torch.testing.assert_close(grad[3], torch.tensor(-0.75))
+    # None is the symmetric range, and the loss's clip fraction counts against the widened bound.
+    torch.testing.assert_close(clipped_surrogate(logp_BT, old_BT, adv_B, 0.2, None), clipped_surrogate(logp_BT, old_BT, adv_B, 0.2, 0.2))
+    mask_BT = torch.ones(4, 1)
+    _, sym = grpo_token_loss(logp_BT, old_BT, None, adv_B, mask_BT, clip_range=0.2, beta=0.0, agg="token")
+    _, high = grpo_token_loss(logp_BT, old_BT, None, adv_B, mask_BT, clip_range=0.2, beta=0.0, agg="token", clip_range_high=0.28)
+    assert sym["clip_frac"] == 1.0 and high["clip_frac"] == 0.5
+
+
 def test_k3_is_nonnegative_and_zero_when_policies_match():
     logp = -torch.rand(64, 7) * 5
     ref = -torch.rand(64, 7) * 5

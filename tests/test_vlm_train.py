@@ -47,7 +47,10 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_recipes_equal_the_defaults():
-    assert load_config(VLMRecipe, REPO / "configs/vlm/tiny-count.yaml") == VLMRecipe()
+    tiny = load_config(VLMRecipe, REPO / "configs/vlm/tiny-count.yaml")
+    assert tiny.train.refill_prompts == 16  # the recipe turns dynamic sampling on; the field's default is off
+    tiny.train.refill_prompts = 0
+    assert tiny == VLMRecipe()
     assert load_config(WarmStartRecipe, REPO / "configs/vlm/tiny-warmstart.yaml") == WarmStartRecipe()
     with pytest.raises(ValueError, match="did you mean 'train.beta'"):
         load_config(VLMRecipe, None, ["train.bta=0"])
@@ -151,3 +154,20 @@ def test_dropping_flat_groups_updates_only_groups_with_signal(base, tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         assert row["grpo/rows_updated"] == (4 - row["grpo/zero_variance_groups"]) * 3
+
+
+def test_refill_replaces_flat_groups_with_extra_prompts(base, tmp_path):
+    run = tmp_path / "refill"
+    run_training(_recipe(base, "train.num_iterations=2", "train.refill_prompts=4"), run, progress=False)
+    for row in [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]:
+        with_signal = 6 - row["grpo/zero_variance_groups"]  # of the P + refill = 6 groups rolled out
+        assert row["grpo/rows_updated"] == min(2, with_signal) * 3
+
+
+def test_new_train_fields_default_off_and_are_validated():
+    tc = VLMRecipe().train
+    assert tc.clip_range_high == 0.0 and tc.refill_prompts == 0
+    with pytest.raises(ValueError, match="clip_range_high"):
+        load_config(VLMRecipe, None, ["train.clip_range_high=-0.1"])
+    with pytest.raises(ValueError, match="refill_prompts"):
+        load_config(VLMRecipe, None, ["train.refill_prompts=-1"])

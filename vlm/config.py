@@ -1,7 +1,7 @@
 """The VLM GRPO recipes: typed dataclasses, the single source of truth for every setting.
 
 `VLMRecipe` defaults are the tiny CPU recipe (`configs/vlm/tiny-count.yaml` spells the same values
-out): GRPO on the shapes question task, starting from the warm-started tiny Qwen2.5-VL that
+out, and turns on `train.refill_prompts`, off by default): GRPO on the shapes question task, starting from the warm-started tiny Qwen2.5-VL that
 `WarmStartRecipe` (`configs/vlm/tiny-warmstart.yaml`) builds. Recipes are loaded with
 `spotlight.config_io.load_config`; dotted command-line overrides (`train.lr=1e-4`) win.
 """
@@ -133,28 +133,32 @@ class RewardConfig:
 class TrainConfig:
     """GRPO optimisation."""
 
-    num_iterations: int = 4000
+    num_iterations: int = 8000
     """Rollout + update iterations (train.max_minutes usually ends the tiny run first)."""
     prompts_per_iteration: int = 16
     """Prompts per iteration (P); the batch is P * G responses."""
-    lr: float = 3e-4
-    """AdamW learning rate (1e-3 collapsed the tiny run's entropy and spiked its KL)."""
+    lr: float = 1e-3
+    """AdamW learning rate (tiny recipe: 1e-3 with beta 0.1 and refill_prompts 16; see docs/vlm-recipe-notes.md)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
     clip_range: float = 0.2
-    """PPO ratio clip epsilon."""
+    """PPO ratio clip epsilon (the ratio's lower bound is 1 - clip_range)."""
+    clip_range_high: float = 0.0
+    """DAPO clip-higher: the ratio's upper bound is 1 + clip_range_high; 0 keeps it symmetric (1 + clip_range)."""
     adv_clip: float = 5.0
     """Clamp |advantage| to this."""
     adv_std: Literal["group", "batch"] = "group"
     """Normalise advantages by the per-group (GRPO) or the whole-batch reward std."""
-    beta: float = 0.04
-    """Weight of the k3 KL estimate to the reference policy (the model at the start of training)."""
+    beta: float = 0.1
+    """Weight of the k3 KL estimate to the reference policy (the model at the start of training); the tiny recipe's 0.1 keeps the base's answer spread at lr 1e-3 (beta 0 collapses every group to one answer)."""
     loss_agg: Literal["token", "sequence"] = "token"
     """"token": mean over all response tokens of the batch (DAPO); "sequence": mean over sequences of each one's token mean (GRPO)."""
     drop_flat_groups: bool = False
     """Leave groups whose rewards are all equal (advantage 0) out of the reference pass and the update (DAPO's dynamic sampling, without refilling). Saves their compute; changes only which samples the KL term sees."""
+    refill_prompts: int = 0
+    """DAPO's dynamic sampling (Yu et al. 2025, Sec. 3.2), with one bounded refill: roll out this many extra prompts each iteration, and update on the first prompts_per_iteration groups with a reward spread among all of them (flat groups are dropped, as with drop_flat_groups, and replaced); 0 = off."""
     num_inner_epochs: int = 1
     """Passes over each iteration's rollouts."""
     minibatch_size: int = 128
@@ -173,10 +177,14 @@ class TrainConfig:
     def validate(self) -> None:
         if self.schedule not in ("serial", "rollplex"):
             raise ValueError(f"train.schedule must be 'serial' or 'rollplex', got {self.schedule!r}")
+        if self.refill_prompts < 0:
+            raise ValueError(f"train.refill_prompts must be >= 0 (0: no refill), got {self.refill_prompts}")
         if min(self.minibatch_size, self.micro_batch_size, self.prompts_per_iteration, self.num_inner_epochs) < 1:
             raise ValueError("minibatch_size, micro_batch_size, prompts_per_iteration and num_inner_epochs must be >= 1")
         if self.clip_range <= 0 or self.beta < 0:
             raise ValueError(f"clip_range must be > 0 and beta >= 0, got {self.clip_range}, {self.beta}")
+        if self.clip_range_high < 0:
+            raise ValueError(f"train.clip_range_high must be >= 0 (0: equal to clip_range), got {self.clip_range_high}")
 
 
 @dataclass

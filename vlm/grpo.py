@@ -9,9 +9,11 @@ References:
 - Schulman 2020, "Approximating KL Divergence" (joschu.net/blog/kl-approx.html): the k3 estimator
   r - 1 - log r with r = pi_ref / pi, unbiased for KL(pi || pi_ref) under samples of pi,
   never negative, low variance; GRPO uses it per token (DeepSeekMath Eq. 4).
-- Yu et al. 2025, DAPO (arXiv 2503.14476), Eq. 8: token-level aggregation (every token of the
-  batch weighs the same), against GRPO's per-sequence mean, which lets a long response's tokens
-  weigh less than a short one's.
+- Yu et al. 2025, DAPO (arXiv 2503.14476), Eq. 10 ("clip-higher"): an upper clip bound
+  1 + eps_high above the lower 1 - eps_low, so unlikely tokens with a positive advantage can
+  gain more probability per step, which keeps the policy's entropy from collapsing.
+- DAPO Eq. 8: token-level aggregation (every token of the batch weighs the same), against
+  GRPO's per-sequence mean, which lets a long response's tokens weigh less than a short one's.
 
 Group advantages are the DiT path's `spotlight.grpo.group_advantages` (the same math: one
 scalar per response, broadcast to its tokens here).
@@ -62,14 +64,18 @@ def k3_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
     return torch.exp(d_BT) - d_BT - 1.0
 
 
-def clipped_surrogate(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.Tensor, clip_range: float) -> torch.Tensor:
-    """(B, T) PPO per-token loss max(-A r, -A clip(r, 1 - eps, 1 + eps)), r = exp(logp - old_logp).
+def clipped_surrogate(
+    logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.Tensor, clip_range: float, clip_range_high: float | None = None
+) -> torch.Tensor:
+    """(B, T) PPO per-token loss max(-A r, -A clip(r, 1 - eps, 1 + eps_high)), r = exp(logp - old_logp).
 
-    At r = 1 its gradient in logp is -A: the policy gradient with advantage A.
+    At r = 1 its gradient in logp is -A: the policy gradient with advantage A. `clip_range_high`
+    None is PPO's symmetric range (eps_high = eps); larger is DAPO's clip-higher.
     """
     ratio_BT = torch.exp(logp_BT - old_logp_BT)
     adv_B1 = adv_B.unsqueeze(1)
-    return torch.maximum(-adv_B1 * ratio_BT, -adv_B1 * ratio_BT.clamp(1.0 - clip_range, 1.0 + clip_range))
+    high = clip_range if clip_range_high is None else clip_range_high
+    return torch.maximum(-adv_B1 * ratio_BT, -adv_B1 * ratio_BT.clamp(1.0 - clip_range, 1.0 + high))
 
 
 def grpo_token_loss(
@@ -82,6 +88,7 @@ def grpo_token_loss(
     clip_range: float,
     beta: float,
     agg: Aggregation,
+    clip_range_high: float | None = None,
     num_sequences: int | None = None,
     num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -93,7 +100,8 @@ def grpo_token_loss(
         ref_logp_BT: (B, T) log-probs under the reference, or None when beta is 0.
         adv_B: (B,) advantage of each response.
         mask_BT: (B, T) 1 for response tokens.
-        clip_range: PPO epsilon.
+        clip_range: PPO epsilon (the lower bound 1 - eps; also the upper one unless clip_range_high).
+        clip_range_high: DAPO's upper epsilon (ratio clipped at 1 + clip_range_high); None: clip_range.
         beta: KL weight.
         agg: "token" or "sequence" (see `aggregate`).
         num_sequences, num_tokens: divisors of the whole minibatch (see `aggregate`).
@@ -102,7 +110,7 @@ def grpo_token_loss(
         The loss and float statistics (clip fraction, KL to the reference, ratio).
     """
     old_logp_BT = old_logp_BT.detach()
-    per_token_BT = clipped_surrogate(logp_BT, old_logp_BT, adv_B, clip_range)
+    per_token_BT = clipped_surrogate(logp_BT, old_logp_BT, adv_B, clip_range, clip_range_high)
     kl_BT = None
     if beta > 0:
         assert ref_logp_BT is not None, "beta > 0 needs reference log-probs"
@@ -110,10 +118,11 @@ def grpo_token_loss(
         per_token_BT = per_token_BT + beta * kl_BT
     loss = aggregate(per_token_BT, mask_BT, agg, num_sequences=num_sequences, num_tokens=num_tokens)
     with torch.no_grad():
+        high = clip_range if clip_range_high is None else clip_range_high
         m = mask_BT.bool()
         ratio = torch.exp(logp_BT - old_logp_BT)[m]
         stats = {
-            "clip_frac": (torch.abs(ratio - 1) > clip_range).float().mean().item() if m.any() else 0.0,
+            "clip_frac": ((ratio < 1 - clip_range) | (ratio > 1 + high)).float().mean().item() if m.any() else 0.0,
             "ratio_mean": ratio.mean().item() if m.any() else 1.0,
             "kl_ref": kl_BT[m].mean().item() if kl_BT is not None and m.any() else 0.0,
         }

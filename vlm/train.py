@@ -168,7 +168,7 @@ def update(
                     logp_BT, old_BT,
                     ref_logp_BT[rows].to(logp_BT.device) if ref_logp_BT is not None else None,
                     adv_B[rows].to(logp_BT.device), mask_BT.to(logp_BT.device),
-                    clip_range=tc.clip_range, beta=tc.beta, agg=tc.loss_agg,
+                    clip_range=tc.clip_range, clip_range_high=tc.clip_range_high or None, beta=tc.beta, agg=tc.loss_agg,
                     num_sequences=len(mb_all), num_tokens=num_tokens,
                 )  # fmt: skip
                 loss.backward()
@@ -253,7 +253,9 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
     """The iteration loop (every rank runs it; rank 0 writes)."""
     console = Console(quiet=not progress)
     tc, P, G = cfg.train, cfg.train.prompts_per_iteration, cfg.rollout.group_size
-    if P * G < dp.world_size:
+    # Prompts rolled out per iteration: P, plus the refill candidates of dynamic sampling.
+    num_rollout = P + tc.refill_prompts
+    if num_rollout * G < dp.world_size:
         raise ValueError(f"train.prompts_per_iteration * rollout.group_size = {P * G} samples for {dp.world_size} processes: give every process at least one")
     if dp.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -298,10 +300,10 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
     # With a single epoch and a single minibatch the update runs at the weights that sampled, so
     # the old log-probs are the new ones detached (same weights, same inputs): skip that pass.
     on_policy = tc.num_inner_epochs == 1 and tc.minibatch_size >= P * G
-    lo, hi = dp.shard(P * G)  # this rank's rows of every iteration's rollout (all of them in one process)
+    lo, hi = dp.shard(num_rollout * G)  # this rank's rows of every iteration's rollout (all of them in one process)
     mine = prompts_of(range(lo, hi), G)  # and the prompts they belong to
     if dp.world_size > 1:
-        console.print(f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {P * G} samples on rank 0")
+        console.print(f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {num_rollout * G} samples on rank 0")
     history: list[dict] = []
     last_ckpt: Path | None = latest
     began = time.monotonic()
@@ -313,9 +315,11 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
             t0 = time.monotonic()
             # 1. Rollout: G seeded responses per prompt with the current weights; each rank samples
             #    its rows. All P prompts are encoded together, so the left padding is the one-process one.
-            examples = stream.batch(it, P)
+            #    The refill candidates of dynamic sampling are slots P.. of the iteration: the first P
+            #    prompts are the ones a run without refill sees.
+            examples = stream.batch(it, num_rollout)
             prompts = policy.encode([e.question for e in examples], [example_image(e, cfg.task) for e in examples])
-            if len(mine) < P:
+            if len(mine) < num_rollout:
                 prompts = prompts.select(list(mine))
             ro = schedule.rollout(prompts, seed=derive_seed(tc.seed, it, 0), rows=range(lo, hi))
             t1 = time.monotonic()
@@ -323,12 +327,15 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
             #    rank gets the whole batch's rewards: the group statistics are global.
             answers = [e.answer for e in examples for _ in range(G)]
             reward = gather_rewards(dp, reward_fn(ro.texts, answers[lo:hi]))
-            adv = group_advantages(reward.total_B.view(P, G), std_mode=tc.adv_std, clip=tc.adv_clip)
+            adv = group_advantages(reward.total_B.view(num_rollout, G), std_mode=tc.adv_std, clip=tc.adv_clip)
             adv_B = adv.adv_PG.reshape(-1)
             num_tokens_B = dp.all_gather_rows(ro.response_mask_BT.sum(dim=1))
             rows = list(range(P * G))
-            if tc.drop_flat_groups:  # only groups with a reward spread reach the update
-                rows = adv.trainable_PG.any(dim=1).repeat_interleave(G).nonzero().squeeze(1).tolist()
+            if tc.drop_flat_groups or tc.refill_prompts:  # only groups with a reward spread reach the update
+                keep_P = adv.trainable_PG.any(dim=1)
+                if tc.refill_prompts:  # the first P of them: flat groups are replaced by refill candidates
+                    keep_P &= torch.cumsum(keep_P.long(), 0) <= P
+                rows = keep_P.repeat_interleave(G).nonzero().squeeze(1).tolist()
             local = [r for r in rows if lo <= r < hi]  # this rank's rows of the update: a contiguous run of `rows`
             batch = None  # the rollout of those rows (None: this rank holds none of them)
             if local:
@@ -351,8 +358,8 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
                 "reward/mean": float(reward.total_B.mean()),
                 **{f"reward/{k}": float(v.mean()) for k, v in reward.components.items()},
                 "grpo/zero_variance_groups": adv.num_zero_variance_groups,
-                "response/length": float(num_tokens_B.float().mean()),
                 "grpo/rows_updated": len(rows),
+                "response/length": float(num_tokens_B.float().mean()),
                 **{f"grpo/{k}": v for k, v in stats.items()},
                 "time/rollout_s": t1 - t0,
                 "time/reference_s": t2 - t1,
