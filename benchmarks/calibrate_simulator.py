@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from preemption_replay import add_replay_arguments, node_speed, run_on_replay, start_pool  # noqa: E402
+from preemption_replay import add_replay_arguments, node_speed, run_on_replay, start_pool, tear_down  # noqa: E402
 
 
 def main() -> None:
@@ -171,11 +171,7 @@ def one_run(cluster, trace, model, spec, jobs, speeds, args) -> dict:
             "reports": [(r.worker_id, r.steps, r.busy_s) for r in worker_reports],
         }
     finally:
-        if sched is not None:
-            sched.close()
-        if pool is not None:
-            pool.close()
-        replayer.remove_all()
+        tear_down(sched, pool, replayer)
 
 
 def measured_profile(run: dict, args, speeds: list[float]):
@@ -250,7 +246,7 @@ def simulate_run(run: dict, args, speeds: list[float]) -> dict:
         cluster = Cluster(loop, profile, trace, on_demand_gpus=0, wrap=False, initial_ready=True,
                           node_speed=lambda name: rel_speed[node_speed(name, speeds)],
                           step_jitter=args.step_jitter if args.sim_samples > 1 else 0.0, seed=seed)  # fmt: skip
-        res = cluster.run_phase(jobs, args.steps, version=0, pools=(True,))
+        res = cluster.run_phase(jobs, args.steps, pools=(True,))
         walls.append(res.end_s - res.start_s)
         lost.append(res.recomputed_steps)
     return {

@@ -230,11 +230,16 @@ def one_run(cluster, trace, cls, model, spec, jobs, speeds, args) -> dict:
             "latents": {r.job_id: r.latent_LC for r in report.results},
         }
     finally:
-        if sched is not None:
-            sched.close()
-        if pool is not None:
-            pool.close()
-        replayer.remove_all()
+        tear_down(sched, pool, replayer)
+
+
+def tear_down(sched, pool, replayer) -> None:
+    """Close the scheduler and the pool (either may be None) and remove the replay's nodes."""
+    if sched is not None:
+        sched.close()
+    if pool is not None:
+        pool.close()
+    replayer.remove_all()
 
 
 def start_pool(replayer, model, spec, speeds: list[float], args, on_node=None):

@@ -47,7 +47,7 @@ def test_on_demand_phase_time_is_exact():
     # 2 workers, 5 jobs of 6 steps at 1 s: 3 rounds on one worker -> 18 s; nothing lost.
     loop = EventLoop()
     c = Cluster(loop, small_profile(), None, on_demand_gpus=2, handoff=False)
-    res = c.run_phase(jobs(5), 6, version=0, pools=(False,))
+    res = c.run_phase(jobs(5), 6, pools=(False,))
     assert res.done == set(range(5))
     assert res.end_s == pytest.approx(18.0)
     assert res.recomputed_steps == 0 and c.on_demand.busy_gpu_s == pytest.approx(30.0)
@@ -58,7 +58,7 @@ def test_preemption_without_notice_resumes_from_last_commit_exactly_once():
     loop = EventLoop()
     trace = trace_of((0.0, "n0", "add", None), (3.5, "n0", "preempt", None))
     c = Cluster(loop, small_profile(), trace, on_demand_gpus=1, wrap=False, initial_ready=True, handoff=False)
-    res = c.run_phase(jobs(2), 6, version=0, pools=(False, True))
+    res = c.run_phase(jobs(2), 6, pools=(False, True))
     assert res.done == {0, 1}
     assert res.recomputed_steps == 1 == c.lost_steps
     assert c.preemptions == 1
@@ -73,7 +73,7 @@ def test_notice_commits_and_loses_nothing():
     loop = EventLoop()
     trace = trace_of((0.0, "n0", "add", None), (3.5, "n0", "preempt", 2.0))  # warned at 1.5 s
     c = Cluster(loop, small_profile(), trace, on_demand_gpus=1, wrap=False, initial_ready=True, handoff=False)
-    res = c.run_phase(jobs(2), 6, version=0, pools=(False, True))
+    res = c.run_phase(jobs(2), 6, pools=(False, True))
     assert res.done == {0, 1} and res.recomputed_steps == 0 and c.notices == 1
     assert c.spot.lost_gpu_s == 0.0
     # The spot worker finished step 2 at 2 s, committed and released it; the on-demand worker
@@ -85,7 +85,7 @@ def test_new_nodes_start_after_startup_and_are_paid_while_held():
     loop = EventLoop()
     trace = trace_of((0.0, "n0", "add", None), (50.0, "n0", "preempt", None), duration=60.0)
     c = Cluster(loop, small_profile(), trace, on_demand_gpus=0, wrap=False)
-    res = c.run_phase(jobs(1), 6, version=0, pools=(True,))
+    res = c.run_phase(jobs(1), 6, pools=(True,))
     assert res.end_s == pytest.approx(3.0 + 6.0)  # startup then 6 steps
     loop.advance(100.0)
     c.finish()
@@ -108,7 +108,7 @@ def test_elastic_sp_group_shrinks_instead_of_restarting_cold():
     for elastic in (True, False):
         loop = EventLoop()
         c = Cluster(loop, prof, trace, on_demand_gpus=0, wrap=False, initial_ready=True, elastic=elastic, handoff=False)
-        res = c.run_phase(jobs(3), 6, version=0, pools=(True,))
+        res = c.run_phase(jobs(3), 6, pools=(True,))
         assert res.done == {0, 1, 2}
         ends[elastic] = res.end_s
     # Elastic: "a" re-forms alone 1.5 s after the loss and carries on at half speed (x 2**0.9 slower);
@@ -231,7 +231,7 @@ def test_push_baseline_keeps_jobs_where_they_were_pushed():
         loop = EventLoop()
         c = Cluster(loop, small_profile(), trace, on_demand_gpus=0, wrap=False, initial_ready=True,
                     node_speed=lambda n: 1.0 if n == "n0" else 0.5)  # fmt: skip
-        res = c.run_phase(jobs(4), 6, version=0, pools=(True,), scheduler=scheduler)
+        res = c.run_phase(jobs(4), 6, pools=(True,), scheduler=scheduler)
         assert res.done == set(range(4))
         ends[scheduler] = res.end_s
     assert ends == {"push": pytest.approx(24.0), "pull": pytest.approx(19.0)}
@@ -241,9 +241,9 @@ def test_push_re_pushes_a_lost_workers_jobs_to_the_workers_ready():
     trace = trace_of((0.0, "n0", "add", None), (0.0, "n1", "add", None), (3.5, "n1", "preempt", None))
     loop = EventLoop()
     c = Cluster(loop, small_profile(), trace, on_demand_gpus=0, wrap=False, initial_ready=True)
-    res = c.run_phase(jobs(4), 6, version=0, pools=(True,), scheduler="push")
+    res = c.run_phase(jobs(4), 6, pools=(True,), scheduler="push")
     # n1 held jobs 1 and 3; declared lost at 5.5 s, both go to n0, job 1 from its commit at step 2.
     assert res.done == set(range(4)) and res.recomputed_steps == 1
     assert res.end_s == pytest.approx(6 + 6 + 4 + 6)
     with pytest.raises(ValueError, match="scheduler"):
-        c.run_phase(jobs(1), 6, version=0, pools=(True,), scheduler="round-robin")
+        c.run_phase(jobs(1), 6, pools=(True,), scheduler="round-robin")

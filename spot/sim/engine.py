@@ -190,9 +190,7 @@ class Cluster:
         self._push = False
         self._orphaned: list[str] = []
         self._phase_pools: tuple[bool, ...] = ()
-        self._phase_version = 0
         self._phase_steps = 0
-        self._cut_steps = 0
         self._initial: set[str] = set()
         if trace is not None:
             self._initial = {ev.node_id for ev in trace.events if ev.kind == "add" and ev.t_s <= 0}
@@ -399,13 +397,13 @@ class Cluster:
         jobs: Sequence[Job],
         num_steps: int,
         *,
-        version: int,
         pools: tuple[bool, ...],
         deadline: float = math.inf,
         scheduler: str = "pull",
     ) -> PhaseResult:
-        """Run `jobs` (all of weights `version`) on the workers of `pools` (False: on-demand, True:
-        spot) until every job is delivered or `deadline` comes (the rest is cut).
+        """Run `jobs` on the workers of `pools` (False: on-demand, True: spot) until every job is
+        delivered or `deadline` comes (the rest is cut). A worker takes only jobs of the weights
+        version it holds (`Job.version`).
 
         `scheduler="push"` is the `PushScheduler` baseline: jobs assigned round robin up front to
         the workers ready at submission, a lost worker's jobs re-pushed to the workers ready then
@@ -425,8 +423,8 @@ class Cluster:
                 raise ValueError("push needs ready workers at submission")
             assignees = [ready[i % len(ready)] for i in range(len(jobs))]
         queue.submit(list(jobs), assignees)
-        self._queue, self._phase_pools, self._phase_version, self._phase_steps = queue, pools, version, num_steps
-        self._cut_steps = 0
+        self._queue, self._phase_pools, self._phase_steps = queue, pools, num_steps
+        cut_steps = 0
         start = self.loop.now
         for w in self.live_workers():
             if w.spot in pools:
@@ -440,7 +438,7 @@ class Cluster:
                 pool = self.spot if w.spot else self.on_demand
                 pool.busy_gpu_s += partial
                 pool.cut_gpu_s += partial + (w.step - w.lease.step) * p.step_s(len(w.gpus), w.speed) * len(w.gpus)
-                self._cut_steps += w.step - w.lease.step
+                cut_steps += w.step - w.lease.step
             if w.spot in pools:
                 w.gen += 1
                 w.state, w.lease = "idle", None
@@ -448,7 +446,7 @@ class Cluster:
         self._queue = None
         stats = queue.stats
         done = {r.job_id for r in queue.results()}
-        return PhaseResult(done, start, self.loop.now, stats.recomputed_steps, self._cut_steps, stats.handoffs)
+        return PhaseResult(done, start, self.loop.now, stats.recomputed_steps, cut_steps, stats.handoffs)
 
     def _kick(self, w: Worker, gen: int) -> None:
         """Start `w` pulling if a phase wants it (and it is not already at work)."""

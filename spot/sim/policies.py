@@ -178,12 +178,14 @@ def simulate(policy: str, setup: Setup, *, progress_cb=None) -> PolicyResult:
     fallbacks = recomputed = handoffs = 0
     progress, k = 0.0, 0
 
-    def jobs_for(n_samples: int, version: int, tag: list) -> list[Job]:
+    def jobs_for(n_samples: int, version: int, sizes: list | None = None) -> list[Job]:
+        """Jobs of `samples_per_job` samples (the last one smaller); their sizes appended to `sizes`."""
         nonlocal next_job
         out = []
         for i in range(0, n_samples, p.samples_per_job):
             out.append(Job(next_job, "", seed=next_job, version=version))
-            tag.append(min(p.samples_per_job, n_samples - i))
+            if sizes is not None:
+                sizes.append(min(p.samples_per_job, n_samples - i))
             next_job += 1
         return out
 
@@ -199,7 +201,7 @@ def simulate(policy: str, setup: Setup, *, progress_cb=None) -> PolicyResult:
             owner += [pid] * len(new)
         if not jobs:
             return {}
-        res = cluster.run_phase(jobs, p.steps_per_candidate, version=version, pools=phase_pools, deadline=deadline)
+        res = cluster.run_phase(jobs, p.steps_per_candidate, pools=phase_pools, deadline=deadline)
         recomputed += res.recomputed_steps
         handoffs += res.handoffs
         done: dict[str, int] = {}
@@ -221,9 +223,8 @@ def simulate(policy: str, setup: Setup, *, progress_cb=None) -> PolicyResult:
         elif policy == "spotlight":
             explored = {pid: n for pid, n in explored_next.items() if pid in prompts}
         # Rollout with θ_k.
-        sizes: list[int] = []
         t0 = loop.now
-        res = cluster.run_phase(jobs_for(p.samples_per_iteration, k, sizes), p.num_steps, version=k, pools=pools)
+        res = cluster.run_phase(jobs_for(p.samples_per_iteration, k), p.num_steps, pools=pools)
         recomputed += res.recomputed_steps
         handoffs += res.handoffs
         rollout_times.append(loop.now - t0)
