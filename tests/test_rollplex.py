@@ -108,8 +108,14 @@ def test_rollplex_step_equals_serial(folder, overrides):
         torch.testing.assert_close(rollplex["old"], serial["old"], atol=1e-6, rtol=0)
     assert abs(serial["loss"] - rollplex["loss"]) <= 1e-6
     assert len(serial["grads"]) == len(rollplex["grads"]) >= 1
-    for step_a, step_b in zip(serial["grads"], rollplex["grads"]):
-        assert max((a - b).abs().max().item() for a, b in zip(step_a, step_b)) <= 1e-6
+    for i, (step_a, step_b) in enumerate(zip(serial["grads"], rollplex["grads"])):
+        diff = max((a - b).abs().max().item() for a, b in zip(step_a, step_b))
+        scale = max(a.abs().max().item() for a in step_a)
+        # The first optimizer step sees the same parameters: only float rounding of the split forward differs.
+        # Later steps start from parameters AdamW moved by m/sqrt(v), which turns a 1e-8 rounding difference in
+        # a near-zero gradient into a visible one, so they are held to float32 noise relative to the gradients'
+        # scale instead (measured: up to 5.5e-6 of the scale, qwen3_vl off-policy).
+        assert diff <= (1e-6 if i == 0 else 2e-5 * scale), (i, diff, scale)
     assert any(g.abs().max() > 1e-4 for g in serial["grads"][0])  # the comparison is not of zeros
 
 
