@@ -345,29 +345,46 @@ def _peft_to_model_keys(transformer) -> dict[str, str]:
     return {key: names[int(tag)] for key, tag in tagged.items()}
 
 
-def gather_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
-    """(trainable weights, optimizer state) in the one-process layout on rank 0, None on the others.
+def gather_trainable_weights(dp: DataParallel, policy) -> dict[str, torch.Tensor] | None:
+    """`policy.trainable_state`'s dict (full tensors) on rank 0, None on the others.
 
-    The weights are `policy.trainable_state`'s dict, the optimizer state is `optimizer.state_dict()`
-    (parameters by index). Under FSDP every rank must call this (it gathers the shards to rank 0's CPU).
+    Under FSDP every rank must call this: it gathers the shards to rank 0's CPU, where the result is
+    a copy (later optimizer steps do not change it). Without FSDP it is rank 0's live state.
     """
     from spotlight.policy import trainable_state
 
     if not dp.sharded:
-        return (trainable_state(policy), optimizer.state_dict()) if dp.is_main else None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+        return trainable_state(policy) if dp.is_main else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     tr = policy.transformer
     # Full tensors on rank 0's CPU (the others get {}); only the trainable weights: with LoRA the
     # frozen base is not gathered.
     weights = get_model_state_dict(tr, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
-    optim = get_optimizer_state_dict(tr, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not dp.is_main:
         return None
     if policy.has_lora:
         from peft.utils import get_peft_model_state_dict
 
         weights = get_peft_model_state_dict(tr, state_dict=weights)
+    return weights
+
+
+def gather_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
+    """(trainable weights, optimizer state) in the one-process layout on rank 0, None on the others.
+
+    The weights are `gather_trainable_weights`'s, the optimizer state is `optimizer.state_dict()`
+    (parameters by index). Under FSDP every rank must call this (it gathers the shards to rank 0's CPU).
+    """
+    weights = gather_trainable_weights(dp, policy)
+    if not dp.sharded:
+        return (weights, optimizer.state_dict()) if dp.is_main else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    tr = policy.transformer
+    optim = get_optimizer_state_dict(tr, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not dp.is_main:
+        return None
     index = {name: i for i, name in enumerate(_trainable_names(tr))}
     optim = {
         "state": {index[name]: s for name, s in optim["state"].items()},

@@ -62,7 +62,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -81,6 +81,11 @@ FALLBACK_CAUSES = ("late", "died", "error", "partial")
 
 LOG_FILE = "explore.jsonl"
 """Per-iteration record in the run directory: candidates, stale rewards, chosen seeds, fresh rewards."""
+
+WeightsSource = Callable[[], dict[str, torch.Tensor]]
+"""The trainable weights to publish, as a CPU snapshot later optimizer steps leave unchanged: the
+trainer passes a callable so that nothing is copied when no candidate is planned (under FSDP it
+passes the full weights every rank gathered beforehand, `distributed.gather_trainable_weights`)."""
 
 _SELECTION_STREAM = 0x5E1EC7  # derive_seed stream of the "random" selection rule
 
@@ -433,17 +438,18 @@ class Exploration:
     # -- the three calls of an iteration --------------------------------------------------------
 
     def seeds_for(
-        self, iteration: int, policy, prompts_P: list[str], default_seeds: list[int], sde_steps: list[int]
+        self, iteration: int, weights: WeightsSource, prompts_P: list[str], default_seeds: list[int], sde_steps: list[int]
     ) -> list[int]:
         """Seeds (P * G, prompt-major) of batch `iteration`: selected groups, default seeds elsewhere.
 
-        Inline mode explores the batch here with the current weights and waits for the results.
+        Inline mode explores the batch here with the current weights (`weights()`, called only when
+        there are candidates to sample) and waits for the results.
         """
         t0 = time.monotonic()
         self._metrics = {}
         G = self.group_size
         if self.ecfg.mode == "inline" and iteration > 0:
-            window = self._open_window(iteration, iteration, policy, prompts_P, sde_steps, time_limit=False)
+            window = self._open_window(iteration, iteration, weights, prompts_P, sde_steps, time_limit=False)
             if window is not None:
                 self._gather(window, timeout_s=None)
         window = self._collected.pop(iteration, None)
@@ -468,7 +474,7 @@ class Exploration:
     def launch(
         self,
         iteration: int,
-        policy,
+        weights: WeightsSource,
         rewards_B: torch.Tensor,
         seeds: list[int],
         rollout_s: float,
@@ -477,6 +483,7 @@ class Exploration:
         """After the rollout of `iteration`: feed the planner, log, and (stale) explore the next batch.
 
         Args:
+            weights: θ_k, the weights the explorers sample the next batch with (stale mode).
             rewards_B: (P * G,) fresh rewards of this iteration's rollout.
             seeds: the seeds that rollout used.
             rollout_s: the rollout + reward time (the stand-ins of the budget's first window).
@@ -507,7 +514,7 @@ class Exploration:
         self._guess_samples_per_s = 0.5 * trainer_rate * self.ecfg.explorer_threads / torch.get_num_threads()
         if self.ecfg.mode == "stale" and next_batch is not None:
             next_prompts, _, next_steps = next_batch
-            self._window = self._open_window(iteration + 1, iteration, policy, next_prompts[::G], next_steps, time_limit=True)
+            self._window = self._open_window(iteration + 1, iteration, weights, next_prompts[::G], next_steps, time_limit=True)
         self._critical_s += time.monotonic() - t0
 
     def collect(self, iteration: int, update_s: float) -> None:
@@ -538,11 +545,9 @@ class Exploration:
     # -- internals ------------------------------------------------------------------------------
 
     def _open_window(
-        self, iteration: int, version: int, policy, prompts_P: list[str], sde_steps: list[int], *, time_limit: bool
+        self, iteration: int, version: int, weights: WeightsSource, prompts_P: list[str], sde_steps: list[int], *, time_limit: bool
     ) -> _Window | None:
         """Plan batch `iteration` within the budget and submit it with weights `version`."""
-        from spotlight.policy import trainable_state
-
         self.pool.maintain()
         live = self.pool.live()
         budget = self.budget_model.budget(
@@ -563,8 +568,7 @@ class Exploration:
         )  # fmt: skip
         handles = []
         if jobs:
-            # A copy on the CPU: the optimizer step that follows must not change what explorers load.
-            self.pool.publish(version, {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(policy).items()})
+            self.pool.publish(version, weights())
             handles = [self.pool.submit(live[j], job) for j, job in enumerate(jobs)]
         window = _Window(iteration, version, ids, counts_P, budget, jobs, handles, time.monotonic())
         if not jobs:

@@ -13,7 +13,8 @@ seeds are the one-process ones; each rank rolls out a contiguous slice of the P 
 rewards are all-gathered before the group advantages, gradients are summed over ranks in the
 update, and only rank 0 writes (metrics, images, checkpoints, cost) and drives the explorers.
 Under FSDP the transformer is sharded (`distributed.shard_transformer`): every rank then runs every
-forward (padded rollouts, evaluation on all ranks) and checkpoints are gathered to rank 0.
+forward (padded rollouts, evaluation on all ranks), and checkpoints and the weights published to
+the explorers are gathered to rank 0.
 
 Cost: every iteration charges its wall time to the run's ledger (`spot.cost`, `cost.json`): the
 trainer's GPUs at the on-demand price, and the spot GPUs the Ray cluster holds at the spot price.
@@ -37,13 +38,14 @@ from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
-    DataParallel, gather_rewards, gather_train_state, init_data_parallel, load_train_state, shard_transformer,
+    DataParallel, gather_rewards, gather_train_state, gather_trainable_weights, init_data_parallel, load_train_state,
+    shard_transformer,
 )  # fmt: skip
 from spotlight.evaluate import evaluate
-from spotlight.explore import Exploration, start_exploration
+from spotlight.explore import Exploration, WeightsSource, start_exploration
 from spotlight.grpo import group_advantages
 from spotlight.mirror import CheckpointMirror
-from spotlight.policy import load_policy
+from spotlight.policy import load_policy, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
 from spotlight.rollout import Rollout, rollout
@@ -80,12 +82,6 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
     dp = init_data_parallel(supports_fsdp=True)
     mirror, ledger, exploration = None, None, None
     try:
-        if dp.sharded and cfg.explore.mode != "none":
-            # The explorers load full weights from rank 0, which under FSDP holds only its shards.
-            raise ValueError(
-                f"explore.mode={cfg.explore.mode} is not supported with FSDP yet: set explore.mode=none, or launch "
-                "with configs/accelerate/multi-gpu-ddp.yaml (full replicas)"
-            )
         if dp.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             mirror = CheckpointMirror(cfg.log.store_url, keep_last=cfg.log.keep_last) if cfg.log.store_url else None
@@ -177,6 +173,17 @@ def _train(
         if ledger is not None:
             ledger.charge(spot_gpus=spot_gpus_held() if exploration is not None else 0)
 
+    def explore_weights(needed: bool) -> WeightsSource:
+        """The current trainable weights for the explorers, as `Exploration` takes them."""
+        if dp.sharded:
+            # Rank 0 holds only its shards: when the explorers may need the weights, every rank
+            # takes part in gathering them whole to rank 0's CPU (the other ranks get None).
+            full = gather_trainable_weights(dp, policy) if needed else None
+            return lambda: full
+        # One process or full replicas: copied only if a candidate is planned, and to the CPU, so
+        # that the optimizer step that follows does not change what the explorers load.
+        return lambda: {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(policy).items()}
+
     lo, hi = dp.shard(P * G)  # this rank's samples of every iteration (all of them in one process)
     # Under FSDP every rank rolls out as many samples (sizes differ by at most one): repeats of its last.
     num_pad = dp.num_padding(P * G)
@@ -194,8 +201,9 @@ def _train(
             # 1. Rollout: G seeded trajectories per prompt with the current weights; with
             #    exploration, a prompt's seeds may be a high-contrast subset of its explored candidates.
             prompts, seeds, sde_steps = plan_iteration(cfg, train_prompts, it)
+            weights = explore_weights(cfg.explore.mode == "inline" and it > 0)  # θ_k, for inline exploration
             if exploration is not None:
-                seeds = exploration.seeds_for(it, policy, prompts[::G], seeds, sde_steps)
+                seeds = exploration.seeds_for(it, weights, prompts[::G], seeds, sde_steps)
             if cfg.explore.mode != "none":
                 seeds = dp.broadcast_object(seeds)  # only rank 0 holds the explorers
             t_ro = time.monotonic()
@@ -222,9 +230,10 @@ def _train(
             adv = group_advantages(reward.total_B.view(P, G), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip)
             t2 = time.monotonic()
             # 4. Stale exploration: publish θ_k, explore the next batch with it during the update.
+            nxt = plan_iteration(cfg, train_prompts, it + 1) if it + 1 < cfg.train.num_iterations else None
+            weights = explore_weights(cfg.explore.mode == "stale" and nxt is not None)  # θ_k, before the update
             if exploration is not None:
-                nxt = plan_iteration(cfg, train_prompts, it + 1) if it + 1 < cfg.train.num_iterations else None
-                exploration.launch(it, policy, reward.total_B, seeds, t2 - t_ro, nxt)
+                exploration.launch(it, weights, reward.total_B, seeds, t2 - t_ro, nxt)
             t_up = time.monotonic()
             # 5. Policy update on the stochastic steps.
             stats = trainer.update(ro, adv, it)

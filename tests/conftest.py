@@ -40,3 +40,13 @@ def tiny_policy(tiny_model_dir):
     from spotlight.policy import DiTPolicy
 
     return DiTPolicy.load(tiny_model_dir, height=32, width=32, max_text_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """A local Ray cluster (head + 2 spot nodes, 127.0.0.1) for a module's explorer tests."""
+    from spotlight.explorer_actor import LocalCluster
+
+    cluster = LocalCluster(2)
+    yield cluster.address
+    cluster.shutdown()

@@ -247,15 +247,6 @@ def test_mode_none_matches_the_driver_before_exploration_and_never_imports_ray(t
     assert not (tmp_path / "new" / LOG_FILE).exists()
 
 
-@pytest.fixture(scope="module")
-def ray_address():
-    from spotlight.explorer_actor import LocalCluster
-
-    cluster = LocalCluster(2)
-    yield cluster.address
-    cluster.shutdown()
-
-
 def test_inline_waits_and_uses_fresh_weights(tiny_model_dir, ray_address, tmp_path):
     from spotlight.train import run_training
 

@@ -11,6 +11,7 @@ comparison is against a float32 single process), not the code path of the collec
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -174,3 +175,77 @@ def test_fsdp_settings_from_accelerate_environment():
         FSDPSettings.from_env({**env, "FSDP_OFFLOAD_PARAMS": "true"})
     with pytest.raises(ValueError, match="fp16"):
         FSDPSettings.from_env({**env, "ACCELERATE_MIXED_PRECISION": "fp16"})
+
+
+@pytest.mark.parametrize("mode", ["inline", "stale"])
+def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ray_address, tmp_path, monkeypatch, mode):
+    """FSDP + Ray exploration: rank 0 publishes the weights every rank gathered, whole.
+
+    2 FSDP ranks explore on a local Ray cluster (2 spot nodes). Each explored candidate's reward,
+    as the run logged it, is then recomputed here by an in-process Explorer (the actors' class,
+    its `ready` replaced: no Ray here) loaded with the checkpoint of the weights version the run
+    says it explored with: it must agree, and must not agree with the untrained weights (so an
+    explorer left with its initial weights, or sent one rank's shards, would fail). Inline
+    mode explores every batch after the first before its rollout, so it always has rows to check;
+    stale mode's windows may all come back late under CPU load, so there the run itself is the
+    check (the gather before each update is a collective every rank joins, or the run hangs).
+    """
+    from spotlight.checkpoint import load_checkpoint
+    from spotlight.config import DiTRecipe
+    from spotlight.config_io import load_config
+    from spotlight.explore import LOG_FILE, ExploreJob
+    from spotlight.explorer_actor import Explorer
+    from spotlight.policy import trainable_state
+    from spotlight.prompts import train_and_eval_prompts
+    from spotlight.sampling import derive_seed
+    from spotlight.train import plan_iteration
+
+    run = tmp_path / "run"
+    overrides = [
+        *fsdp_overrides(tiny_model_dir, 3), "train.lr=1e-3", "log.checkpoint_every=1", "log.keep_last=3",
+        f"explore.mode={mode}", f"explore.ray_address={ray_address}", "explore.planner=uniform",
+        "explore.max_candidates=6", "explore.budget_fraction=1.0", "explore.batch_size=4",
+    ]  # fmt: skip
+    config = cpu_fsdp_config(tmp_path / "cpu-fsdp.yaml")
+    proc = launch_fsdp(config, seeded_cli(tmp_path / "seeded_cli.py"), "train", *overrides, "--run-dir", str(run), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "explorer(s) ready" in proc.stdout and "fsdp: transformer sharded over 2 ranks" in proc.stdout
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+
+    cfg = load_config(DiTRecipe, run / "config.yaml")
+    train_prompts, _ = train_and_eval_prompts(cfg.data, cfg.reward.weights)
+    monkeypatch.setattr(Explorer, "ready", lambda self: "in-process")
+    explorer = Explorer(cfg, 1)
+    base = {k: v.clone() for k, v in trainable_state(explorer.policy).items()}
+    rows = [json.loads(line) for line in (run / LOG_FILE).read_text().splitlines()]
+    checked = 0
+    for row in rows:
+        if row["version"] is None:
+            continue
+        k, version = row["iteration"], row["version"]
+        assert version == (k if mode == "inline" else k - 1)
+        slots, cands = [], []
+        for p, slot in enumerate(row["slots"]):
+            done = [c for c, r in zip(slot["candidates"], slot["stale_rewards"]) if r is not None]
+            slots += [p] * len(done)
+            cands += done
+        prompts = [row["slots"][p]["prompt"] for p in slots]
+        job = ExploreJob(
+            iteration=k, version=version, prompts=prompts, slots=slots, candidates=cands,
+            seeds=[derive_seed(cfg.train.seed, k, p, c) for p, c in zip(slots, cands)],
+            sde_steps=plan_iteration(cfg, train_prompts, k)[2],
+        )  # fmt: skip
+        logged = [r for slot in row["slots"] for r in slot["stale_rewards"] if r is not None]
+        # Version v is the weights after v updates: the checkpoint of step v (v = 0: the base model).
+        explorer.set_weights(version, base)
+        with_base = explorer.explore(job).rewards
+        if version > 0:
+            explorer.set_weights(version, load_checkpoint(run / "checkpoints" / f"step-{version:08d}").tensors["trainable"])
+        with_version = explorer.explore(job).rewards
+        # JPEG sizes of uint8 images: a pixel may round the other way (sharded vs whole summation).
+        assert with_version == pytest.approx(logged, rel=1e-3), (k, version)
+        if version > 0:
+            assert with_base != pytest.approx(logged, rel=1e-3), "the trained weights do not change the rewards"
+        checked += len(logged)
+    if mode == "inline":
+        assert checked > 0, "inline exploration never ran"
