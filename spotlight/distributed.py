@@ -36,6 +36,7 @@ prompt encoding and decode for memory that a bf16 7B encoder (~15 GiB) leaves to
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,9 @@ from spotlight.rewards import RewardResult
 class FSDPSettings:
     """How to shard the transformer, from the `FSDP_*` variables `accelerate launch` sets from `fsdp_config`."""
 
-    block_classes: tuple[str, ...] = ("QwenImageTransformerBlock",)
+    block_classes: tuple[str, ...] = (
+        "QwenImageTransformerBlock", "Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock", "Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock",
+    )  # fmt: skip
     """Class names of the modules sharded one by one (`fsdp_transformer_layer_cls_to_wrap`)."""
     reshard_after_forward: bool = True
     """Free the gathered weights of a block after its forward (`fsdp_reshard_after_forward`; FULL_SHARD)."""
@@ -215,28 +218,21 @@ class DataParallel:
             self.owns_group = False
 
 
-def init_data_parallel(*, supports_fsdp: bool = False) -> DataParallel:
+def init_data_parallel() -> DataParallel:
     """The data-parallel layout of this process, from the launcher's environment.
 
     `accelerate launch` and `torchrun` set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
     MASTER_PORT; without them (a plain `spotlight train`) this is the one-process layout and
-    nothing is initialised. An FSDP config (ACCELERATE_USE_FSDP) adds `FSDPSettings`; the driver
-    then shards the transformer with `shard_transformer`. A trainer that does not shard
-    (`supports_fsdp` False: the VLM trainer) refuses an FSDP launch rather than run full replicas
-    under a config that promises sharding. The backend is NCCL when CUDA is present, else gloo (a MULTI_GPU
-    accelerate config on a machine without GPUs gives gloo processes: configs/accelerate/cpu-2proc.yaml).
+    nothing is initialised. An FSDP config (ACCELERATE_USE_FSDP) adds `FSDPSettings`; the trainer
+    then shards its model with `shard_module`. The backend is NCCL when CUDA is present, else gloo
+    (a MULTI_GPU accelerate config on a machine without GPUs gives gloo processes:
+    configs/accelerate/cpu-2proc.yaml).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return DataParallel()
     fsdp = None
     if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-        if not supports_fsdp:
-            raise ValueError(
-                "this accelerate config asks for FSDP, which only the DiT trainer (`spotlight train`) shards; this "
-                "trainer keeps a full replica per rank: launch with configs/accelerate/multi-gpu-ddp.yaml (or "
-                "cpu-2proc.yaml on CPU)"
-            )
         fsdp = FSDPSettings.from_env(dict(os.environ))
     import torch.distributed as dist
 
@@ -264,43 +260,66 @@ def gather_rewards(dp: DataParallel, local: RewardResult) -> RewardResult:
 
 
 def shard_transformer(policy, dp: DataParallel) -> tuple[int, int]:
-    """Shard `policy.transformer` in place with FSDP2 as `dp.fsdp` says; returns (local, full) parameter counts.
+    """Shard the DiT policy's transformer in place (`shard_module`); returns (local, full) parameter counts.
+
+    Activation checkpointing is diffusers' own checkpointing of each block's forward: the parameter
+    names stay those of the one-process model (a checkpoint_wrapper would insert
+    `_checkpoint_wrapped_module.`).
+    """
+    tr = policy.transformer
+    return shard_module(tr, dp, enable_checkpointing=tr.enable_gradient_checkpointing, hint="QwenImageTransformerBlock")
+
+
+def shard_module(
+    module: torch.nn.Module,
+    dp: DataParallel,
+    *,
+    enable_checkpointing: Callable[[], None],
+    hint: str,
+    units: Sequence[torch.nn.Module] = (),
+) -> tuple[int, int]:
+    """Shard `module` in place with FSDP2 as `dp.fsdp` says; returns (local, full) parameter counts.
 
     Every rank first takes rank 0's trainable weights (accelerate's `fsdp_sync_module_states`: a
     LoRA adapter's init is drawn per process); the frozen base is loaded from the same files
-    everywhere. Then each block and the root are `fully_shard`ed: afterwards every parameter is a
+    everywhere. Then each block (the modules of `fsdp_transformer_layer_cls_to_wrap`'s classes
+    that `module` contains) and the root are `fully_shard`ed: afterwards every parameter is a
     DTensor holding 1/world_size of its rows on this rank. The gradient reduction sums (divide
-    factor 1): the trainer weights each rank's loss by its share of the minibatch, as with
+    factor 1): the trainers weight each rank's loss by its share of the minibatch, as with
     `all_reduce_grads`, so the sum is the one-process gradient.
+
+    Args:
+        enable_checkpointing: turns on the model's own per-block activation checkpointing.
+        hint: the block classes to name when the config lists none that `module` contains.
+        units: submodules that are called on their own, outside `module`'s forward, sharded as
+            units of their own after the blocks (their direct weights would otherwise stay sharded
+            there: only a unit's own forward gathers them).
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     settings = dp.fsdp
     assert settings is not None
-    tr = policy.transformer
-    dp.broadcast_tensors([p for p in tr.parameters() if p.requires_grad])
-    if settings.activation_checkpointing:
-        # diffusers' own checkpointing of each block's forward: the parameter names stay those of
-        # the one-process model (a checkpoint_wrapper would insert `_checkpoint_wrapped_module.`).
-        tr.enable_gradient_checkpointing()
-    # bf16: compute in bf16 from float32 shards (the optimizer's master weights), reduce in float32.
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if settings.bf16 else MixedPrecisionPolicy()
-    blocks = [m for m in tr.modules() if type(m).__name__ in settings.block_classes]
+    dp.broadcast_tensors([p for p in module.parameters() if p.requires_grad])
+    blocks = [m for m in module.modules() if type(m).__name__ in settings.block_classes]
     if not blocks:
         raise ValueError(
-            f"fsdp_transformer_layer_cls_to_wrap names {list(settings.block_classes)}, which the transformer "
-            f"({type(tr).__name__}) does not contain; use QwenImageTransformerBlock"
+            f"fsdp_transformer_layer_cls_to_wrap names {list(settings.block_classes)}, none of which the model "
+            f"({type(module).__name__}) contains; list {hint} (configs/accelerate/fsdp.yaml lists the classes of every model spotlight trains)"
         )
-    for block in blocks:
+    if settings.activation_checkpointing:
+        enable_checkpointing()
+    # bf16: compute in bf16 from float32 shards (the optimizer's master weights), reduce in float32.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if settings.bf16 else MixedPrecisionPolicy()
+    for block in [*blocks, *units]:
         fully_shard(block, reshard_after_forward=settings.reshard_after_forward, mp_policy=mp)
-    fully_shard(tr, mp_policy=mp)  # the root keeps its (small) weights gathered between forward and backward
-    for m in tr.modules():
+    fully_shard(module, mp_policy=mp)  # the root keeps its (small) weights gathered between forward and backward
+    for m in module.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             # A plain SUM: gloo has no PREMUL_SUM, and with factor 1 there is nothing to multiply.
             m.set_force_sum_reduction_for_comms(True)
-    local = sum(p.to_local().numel() for p in tr.parameters())
-    return local, sum(p.numel() for p in tr.parameters())
+    local = sum(p.to_local().numel() for p in module.parameters())
+    return local, sum(p.numel() for p in module.parameters())
 
 
 @contextmanager
@@ -331,61 +350,56 @@ def swapped_shards(transformer, params: list[torch.Tensor], values: list[torch.T
                 p.copy_(c)
 
 
-def _trainable_names(transformer) -> list[str]:
-    """Names of the trainable parameters, in the optimizer's order (`GRPOTrainer.params`)."""
-    return [n for n, p in transformer.named_parameters() if p.requires_grad]
+def _trainable_names(model: torch.nn.Module) -> list[str]:
+    """Names of the trainable parameters, in the optimizer's order (the trainers' `params`)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def _peft_to_model_keys(transformer) -> dict[str, str]:
+def _peft_to_model_keys(model: torch.nn.Module) -> dict[str, str]:
     """peft's key (`get_peft_model_state_dict`, adapter name dropped) of each LoRA parameter -> its model name."""
     from peft.utils import get_peft_model_state_dict
 
-    names = [n for n, _ in transformer.named_parameters()]
-    tagged = get_peft_model_state_dict(transformer, state_dict={n: torch.tensor(i) for i, n in enumerate(names)})
+    names = [n for n, _ in model.named_parameters()]
+    tagged = get_peft_model_state_dict(model, state_dict={n: torch.tensor(i) for i, n in enumerate(names)})
     return {key: names[int(tag)] for key, tag in tagged.items()}
 
 
-def gather_trainable_weights(dp: DataParallel, policy) -> dict[str, torch.Tensor] | None:
-    """`policy.trainable_state`'s dict (full tensors) on rank 0, None on the others.
+def gather_sharded_weights(dp: DataParallel, model: torch.nn.Module, has_lora: bool) -> dict[str, torch.Tensor] | None:
+    """The trainable weights of an FSDP-sharded `model`, whole, on rank 0's CPU (None on the others).
 
-    Under FSDP every rank must call this: it gathers the shards to rank 0's CPU, where the result is
-    a copy (later optimizer steps do not change it). Without FSDP it is rank 0's live state.
+    A collective: every rank must call it. The layout is the one-process `trainable_state`'s: peft's
+    keys with LoRA, else the trainable parameters by name. The result is a copy.
     """
-    from spotlight.policy import trainable_state
-
-    if not dp.sharded:
-        return trainable_state(policy) if dp.is_main else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    tr = policy.transformer
     # Full tensors on rank 0's CPU (the others get {}); only the trainable weights: with LoRA the
     # frozen base is not gathered.
-    weights = get_model_state_dict(tr, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
     if not dp.is_main:
         return None
-    if policy.has_lora:
+    if has_lora:
         from peft.utils import get_peft_model_state_dict
 
-        weights = get_peft_model_state_dict(tr, state_dict=weights)
-    return weights
+        return get_peft_model_state_dict(model, state_dict=weights)
+    # Persistent buffers and a tied weight's second name are in a state dict, not among the parameters.
+    names = set(_trainable_names(model))
+    return {k: v for k, v in weights.items() if k in names}
 
 
-def gather_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
-    """(trainable weights, optimizer state) in the one-process layout on rank 0, None on the others.
-
-    The weights are `gather_trainable_weights`'s, the optimizer state is `optimizer.state_dict()`
-    (parameters by index). Under FSDP every rank must call this (it gathers the shards to rank 0's CPU).
+def gather_sharded_train_state(
+    dp: DataParallel, model: torch.nn.Module, has_lora: bool, optimizer: torch.optim.Optimizer
+) -> tuple[dict, dict] | None:
+    """(trainable weights, optimizer state) of an FSDP-sharded `model` in the one-process layout on
+    rank 0, None on the others: `gather_sharded_weights` and `optimizer.state_dict()`'s layout
+    (parameters by index). A collective: every rank must call it.
     """
-    weights = gather_trainable_weights(dp, policy)
-    if not dp.sharded:
-        return (weights, optimizer.state_dict()) if dp.is_main else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    tr = policy.transformer
-    optim = get_optimizer_state_dict(tr, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    weights = gather_sharded_weights(dp, model, has_lora)
+    optim = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not dp.is_main:
         return None
-    index = {name: i for i, name in enumerate(_trainable_names(tr))}
+    index = {name: i for i, name in enumerate(_trainable_names(model))}
     optim = {
         "state": {index[name]: s for name, s in optim["state"].items()},
         "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in optim["param_groups"]],
@@ -393,42 +407,78 @@ def gather_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimize
     return weights, optim
 
 
-def load_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict) -> None:
-    """Load `gather_train_state`'s layout (a checkpoint) into the policy and optimizer; a collective under FSDP.
-
-    Under FSDP rank 0's dicts are broadcast and each rank keeps its shards (the others' are ignored).
+def load_sharded_train_state(
+    dp: DataParallel, model: torch.nn.Module, has_lora: bool, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict
+) -> None:
+    """Load `gather_sharded_train_state`'s layout (a checkpoint) into an FSDP-sharded `model` and its
+    optimizer; a collective: rank 0's dicts are broadcast and each rank keeps its shards.
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    names = _trainable_names(model)
+    if has_lora:
+        to_model = _peft_to_model_keys(model)
+        unexpected = sorted(set(weights) - set(to_model))
+        if unexpected:
+            raise ValueError(f"LoRA state has keys this model lacks (different lora_rank or model?): {unexpected[:3]}")
+        weights = {to_model[k]: v for k, v in weights.items()}
+    unknown, missing = sorted(set(weights) - set(names)), sorted(set(names) - set(weights))
+    if unknown or missing:
+        raise ValueError(
+            "checkpoint does not hold this model's trainable weights (different model or LoRA setting?): "
+            f"{len(unknown)} unknown {unknown[:3]}, {len(missing)} missing {missing[:3]}"
+        )
+    optim = {
+        "state": {names[i]: s for i, s in optim_state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim_state["param_groups"]],
+    }
+    # Not strict: only the trainable weights are in the checkpoint (not a LoRA's frozen base, a
+    # frozen vision tower, buffers or a tied weight's second name; the keys were checked above), and
+    # parameters that never had a gradient (the DiT's last block's text stream, whose output the
+    # model drops) have no AdamW state, as in `optimizer.state_dict()` of one process.
+    from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, weights if dp.is_main else {}, options=from_rank0)
+    set_optimizer_state_dict(model, optimizer, optim if dp.is_main else {}, options=from_rank0)
+    # set_optimizer_state_dict first creates a state for every parameter (one AdamW step with zero
+    # gradients and lr 0); drop those of the parameters the checkpoint has none for, so that they
+    # stay stateless as in the uninterrupted run and the next checkpoint has the same entries.
+    saved = set(dp.broadcast_object(sorted(optim["state"]) if dp.is_main else None))
+    # The optimizer's parameters (the shards; between forwards the model may hold gathered ones).
+    for name, p in zip(names, (p for group in optimizer.param_groups for p in group["params"])):
+        if name not in saved:
+            optimizer.state.pop(p, None)
+
+
+def gather_trainable_weights(dp: DataParallel, policy) -> dict[str, torch.Tensor] | None:
+    """The DiT policy's `trainable_state` dict (full tensors) on rank 0, None on the others.
+
+    Under FSDP every rank must call this (`gather_sharded_weights`, a copy on rank 0's CPU); without
+    FSDP it is rank 0's live state.
+    """
+    from spotlight.policy import trainable_state
+
+    if not dp.sharded:
+        return trainable_state(policy) if dp.is_main else None
+    return gather_sharded_weights(dp, policy.transformer, policy.has_lora)
+
+
+def gather_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
+    """The DiT policy's (trainable weights, optimizer state) in the one-process layout on rank 0,
+    None on the others; under FSDP every rank must call this (`gather_sharded_train_state`).
+    """
+    from spotlight.policy import trainable_state
+
+    if not dp.sharded:
+        return (trainable_state(policy), optimizer.state_dict()) if dp.is_main else None
+    return gather_sharded_train_state(dp, policy.transformer, policy.has_lora, optimizer)
+
+
+def load_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict) -> None:
+    """Load `gather_train_state`'s layout (a checkpoint) into the DiT policy and optimizer; a collective under FSDP."""
     from spotlight.policy import load_trainable_state
 
     if not dp.sharded:
         load_trainable_state(policy, weights)
         optimizer.load_state_dict(optim_state)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-
-    tr = policy.transformer
-    names = _trainable_names(tr)
-    if policy.has_lora:
-        to_model = _peft_to_model_keys(tr)
-        unexpected = sorted(set(weights) - set(to_model))
-        if unexpected:
-            raise ValueError(f"LoRA state has keys this model lacks (different lora_rank or model?): {unexpected[:3]}")
-        weights = {to_model[k]: v for k, v in weights.items()}
-    optim = {
-        "state": {names[i]: s for i, s in optim_state["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim_state["param_groups"]],
-    }
-    # Not strict: with LoRA the frozen base is not in the checkpoint, and parameters that never had a
-    # gradient (the last block's text stream, whose output the model drops) have no AdamW state,
-    # as in `optimizer.state_dict()` of one process.
-    from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not policy.has_lora)
-    set_model_state_dict(tr, weights if dp.is_main else {}, options=from_rank0)
-    from_rank0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    set_optimizer_state_dict(tr, optimizer, optim if dp.is_main else {}, options=from_rank0)
-    # set_optimizer_state_dict first creates a state for every parameter (one AdamW step with zero
-    # gradients and lr 0); drop those of the parameters the checkpoint has none for, so that they
-    # stay stateless as in the uninterrupted run and the next checkpoint has the same entries.
-    saved = set(dp.broadcast_object(sorted(optim["state"]) if dp.is_main else None))
-    for name, p in zip(names, (p for p in tr.parameters() if p.requires_grad)):
-        if name not in saved:
-            optimizer.state.pop(p, None)
+    load_sharded_train_state(dp, policy.transformer, policy.has_lora, optimizer, weights, optim_state)

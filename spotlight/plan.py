@@ -170,7 +170,7 @@ class Layout:
     sp: int = 1
     """Sequence-parallel degree (Ulysses: image tokens split, text replicated)."""
     fsdp: int = 1
-    """FSDP sharding degree of the trained model (1 = full replicas, as the trainers run today)."""
+    """FSDP sharding degree of the trained model (1 = full replicas)."""
     gradient_checkpointing: bool = False
     """Recompute block activations in backward."""
     lora_rank: int = 0
@@ -332,7 +332,7 @@ def suggest(plan: Plan, roles_for: Callable[[Layout], list[Role]], base: Layout,
             if layout.lora_rank != base.lora_rank:
                 parts.append(f"LoRA (model.lora_rank={layout.lora_rank}) instead of a full fine-tune")
             if fsdp > 1:
-                parts.append(f"FSDP over >= {fsdp} GPUs (configs/accelerate/fsdp.yaml; the trainers do not run FSDP yet)")
+                parts.append(f"FSDP over >= {fsdp} GPUs (configs/accelerate/fsdp.yaml; VLM: train.schedule=serial)")
             if sp > 1:
                 caveat = "" if sp_trains else "; the trainer has no SP yet (parallel/ulysses.py is forward-only)"
                 parts.append(f"SP degree {sp} brings activations under the limit{caveat}")

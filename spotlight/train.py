@@ -79,7 +79,7 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
     """Post-train the policy of `cfg` with GRPO, writing config, metrics, images and checkpoints to run_dir."""
     run_dir = Path(run_dir)
     # One process unless launched by accelerate/torchrun; then only rank 0 writes and explores.
-    dp = init_data_parallel(supports_fsdp=True)
+    dp = init_data_parallel()
     mirror, ledger, exploration = None, None, None
     try:
         if dp.is_main:

@@ -7,10 +7,6 @@ config, and compares it with a single process on the same global batch and seeds
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,16 +16,10 @@ import torch.multiprocessing as mp
 from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
 from spotlight.distributed import DataParallel
+from launch import free_port, launch
 from spotlight.tracking import read_metrics
 
-ACCELERATE = Path(sys.executable).with_name("accelerate")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+CPU_2PROC = "configs/accelerate/cpu-2proc.yaml"
 
 def dp_overrides(model_dir: Path, iterations: int) -> list[str]:
     """The tiny recipe with 3 groups of 4: rank 0 holds samples 0-5 and rank 1 samples 6-11, so the
@@ -50,12 +40,7 @@ def dp_overrides(model_dir: Path, iterations: int) -> list[str]:
     ]  # fmt: skip
 
 
-def launch_two(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """`accelerate launch` of the spotlight CLI on 2 CPU processes (configs/accelerate/cpu-2proc.yaml)."""
-    cmd = [str(ACCELERATE), "launch", "--config_file", "configs/accelerate/cpu-2proc.yaml",
-           "--main_process_port", str(free_port()), "-m", "spotlight.cli", *args]  # fmt: skip
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
 
 
 @pytest.mark.parametrize(
@@ -79,10 +64,10 @@ def test_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, objective)
     finally:
         torch.set_num_threads(threads)
 
-    proc = launch_two("train", *dp_overrides(tiny_model_dir, 2), *objective, "--run-dir", str(two))
+    proc = launch(CPU_2PROC, "train", *dp_overrides(tiny_model_dir, 2), *objective, "--run-dir", str(two))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data parallel: 2 processes on cpu, 6 of 12 samples on rank 0" in proc.stdout
-    proc = launch_two("train", *dp_overrides(tiny_model_dir, 3), *objective, "--run-dir", str(two))
+    proc = launch(CPU_2PROC, "train", *dp_overrides(tiny_model_dir, 3), *objective, "--run-dir", str(two))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout and "(iteration 2)" in proc.stdout
 

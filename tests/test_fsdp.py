@@ -14,35 +14,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
+from launch import cpu_fsdp_config, launch
 from spotlight.checkpoint import load_checkpoint
 from spotlight.distributed import FSDPSettings
 from spotlight.tracking import read_metrics
 
-ACCELERATE = Path(sys.executable).with_name("accelerate")
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_fsdp_config(path: Path) -> Path:
-    """configs/accelerate/fsdp.yaml on 2 local processes, in float32 (see the module docstring)."""
-    cfg = yaml.safe_load((REPO / "configs/accelerate/fsdp.yaml").read_text())
-    cfg.update(num_processes=2, mixed_precision="no")
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 def fsdp_overrides(model_dir: Path, iterations: int) -> list[str]:
@@ -61,23 +45,6 @@ def fsdp_overrides(model_dir: Path, iterations: int) -> list[str]:
     ]  # fmt: skip
 
 
-def seeded_cli(path: Path) -> Path:
-    """The spotlight CLI with torch's global generator seeded first.
-
-    A LoRA adapter's init is drawn from that generator, which torch seeds at random in each
-    process: seeded, rank 0 (whose init every rank takes) draws the init the reference process draws.
-    """
-    path.write_text("import sys\nimport torch\n\ntorch.manual_seed(0)\nfrom spotlight.cli import main\n\nsys.exit(main(sys.argv[1:]))\n")
-    return path
-
-
-def launch_fsdp(config: Path, script: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = [str(ACCELERATE), "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
-           str(script), *args]  # fmt: skip
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-
-
 @pytest.mark.parametrize(
     "variant",
     [
@@ -89,7 +56,7 @@ def launch_fsdp(config: Path, script: Path, *args: str, timeout: float = 120) ->
     ],
     ids=["nft-lora", "flow_grpo-kl"],
 )
-def test_fsdp_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, variant):
+def test_fsdp_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, seeded_cli, variant):
     """FSDP on 2 ranks (interrupted after iteration 2, resumed) == 1 process for 3 iterations.
 
     Tolerances as in test_distributed.py (rounding: sub-batch losses, gradients summed in another
@@ -98,21 +65,21 @@ def test_fsdp_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, varia
     """
     one, two = tmp_path / "one", tmp_path / "two"
     config = cpu_fsdp_config(tmp_path / "cpu-fsdp.yaml")
-    script = seeded_cli(tmp_path / "seeded_cli.py")
+    script = seeded_cli
     # The reference in a fresh process running the same script as the ranks.
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(script), "train", *fsdp_overrides(tiny_model_dir, 3), *variant, "--run-dir", str(one), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    proc = launch_fsdp(config, script, "train", *fsdp_overrides(tiny_model_dir, 2), *variant, "--run-dir", str(two))
+    proc = launch(config, "train", *fsdp_overrides(tiny_model_dir, 2), *variant, "--run-dir", str(two), script=script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The parameters were sharded: each rank held half of the transformer's (rows split 2 ways).
     found = re.search(r"fsdp: transformer sharded over 2 ranks, local parameters \[(\d+), (\d+)\] of (\d+)", proc.stdout)
     assert found, proc.stdout[-2000:]
     local0, local1, full = map(int, found.groups())
     assert local0 + local1 == full and abs(local0 - full / 2) <= 0.01 * full, (local0, local1, full)
-    proc = launch_fsdp(config, script, "train", *fsdp_overrides(tiny_model_dir, 3), *variant, "--run-dir", str(two))
+    proc = launch(config, "train", *fsdp_overrides(tiny_model_dir, 3), *variant, "--run-dir", str(two), script=script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout and "(iteration 2)" in proc.stdout
 
@@ -143,18 +110,15 @@ def test_fsdp_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, varia
     assert any(not torch.equal(base[k], v) for k, v in ckpt_two.tensors["trainable"].items() if k in base) or "model.lora_rank=4" in variant
 
 
-def test_fsdp_launch_of_a_trainer_that_does_not_shard_is_refused(monkeypatch):
-    """The VLM trainer calls init_data_parallel() without supports_fsdp: refused, naming the DDP config."""
+def test_fsdp_launch_with_fsdp_version_1_is_refused(monkeypatch):
+    """accelerate's default fsdp_version is 1: refused, naming the setting."""
     from spotlight.distributed import init_data_parallel
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_VERSION", "2")
-    with pytest.raises(ValueError, match="only the DiT trainer.*multi-gpu-ddp.yaml"):
-        init_data_parallel()
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ValueError, match="fsdp_version: 2"):
-        init_data_parallel(supports_fsdp=True)
+        init_data_parallel()
 
 
 def test_fsdp_settings_from_accelerate_environment():
@@ -178,7 +142,7 @@ def test_fsdp_settings_from_accelerate_environment():
 
 
 @pytest.mark.parametrize("mode", ["inline", "stale"])
-def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ray_address, tmp_path, monkeypatch, mode):
+def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ray_address, tmp_path, seeded_cli, monkeypatch, mode):
     """FSDP + Ray exploration: rank 0 publishes the weights every rank gathered, whole.
 
     2 FSDP ranks explore on a local Ray cluster (2 spot nodes). Each explored candidate's reward,
@@ -207,7 +171,7 @@ def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ra
         "explore.max_candidates=6", "explore.budget_fraction=1.0", "explore.batch_size=4",
     ]  # fmt: skip
     config = cpu_fsdp_config(tmp_path / "cpu-fsdp.yaml")
-    proc = launch_fsdp(config, seeded_cli(tmp_path / "seeded_cli.py"), "train", *overrides, "--run-dir", str(run), timeout=240)
+    proc = launch(config, "train", *overrides, "--run-dir", str(run), script=seeded_cli, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "explorer(s) ready" in proc.stdout and "fsdp: transformer sharded over 2 ranks" in proc.stdout
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]

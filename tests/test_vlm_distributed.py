@@ -9,7 +9,7 @@ tested on its own with `torch.multiprocessing.spawn`.
 from __future__ import annotations
 
 import os
-import socket
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from launch import cpu_fsdp_config, free_port, launch
 from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
 from spotlight.config_io import load_config
@@ -25,15 +26,9 @@ from spotlight.distributed import DataParallel
 from spotlight.tracking import read_metrics
 from vlm.config import VLMRecipe, WarmStartRecipe
 
-ACCELERATE = Path(sys.executable).with_name("accelerate")
 TASK = dict(grid_size=2, max_shapes=3, num_heldout=8)
+CPU_2PROC = "configs/accelerate/cpu-2proc.yaml"
 SPEC = dict(text_hidden=32, text_layers=1, text_heads=2, vision_hidden=32, vision_depth=1, vision_heads=2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +57,7 @@ def dp_overrides(base: Path, iterations: int) -> list[str]:
     ]  # fmt: skip
 
 
-def launch_two(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """`accelerate launch` of `spotlight vlm` on 2 CPU processes (configs/accelerate/cpu-2proc.yaml)."""
-    cmd = [str(ACCELERATE), "launch", "--config_file", "configs/accelerate/cpu-2proc.yaml",
-           "--main_process_port", str(free_port()), "-m", "spotlight.cli", "vlm", *args]  # fmt: skip
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
 
 
 @pytest.mark.parametrize(
@@ -98,10 +88,10 @@ def test_two_processes_match_one(base, tmp_path, schedule, extra, interrupted):
         torch.set_num_threads(threads)
 
     if interrupted:
-        proc = launch_two("train", *dp_overrides(base, 2), f"train.schedule={schedule}", *extra, "--run-dir", str(two))
+        proc = launch(CPU_2PROC, "vlm", "train", *dp_overrides(base, 2), f"train.schedule={schedule}", *extra, "--run-dir", str(two))
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "data parallel: 2 processes on cpu, 6 of 12 samples on rank 0" in proc.stdout
-    proc = launch_two("train", *args, "--run-dir", str(two))
+    proc = launch(CPU_2PROC, "vlm", "train", *args, "--run-dir", str(two))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data parallel: 2 processes on cpu, 6 of 12 samples on rank 0" in proc.stdout
     if interrupted:
@@ -113,7 +103,15 @@ def test_two_processes_match_one(base, tmp_path, schedule, extra, interrupted):
     assert sorted(os.listdir(two)) == sorted(os.listdir(one))
     assert sorted(os.listdir(two / "checkpoints")) == sorted(os.listdir(one / "checkpoints"))
     assert any(r["grpo/zero_variance_groups"] < 3 for r in rows_one)  # some group had a signal
-    for a, b in zip(rows_one, rows_two):
+    assert_same_run(one, two, base, lora=False)
+
+
+def assert_same_run(one: Path, two: Path, base: Path, *, lora: bool) -> None:
+    """Run `two` ended where run `one` did: every metric but times (rtol 1e-4, atol 1e-6), the
+    final trainable weights and AdamW moments (atol 1e-6); and the weights moved from the base."""
+    rows_one, rows_two = read_metrics(one), read_metrics(two)
+    for a, b in zip(rows_one, rows_two, strict=True):
+        assert a.keys() == b.keys()
         for key, value in a.items():
             if not key.startswith("time/"):
                 assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
@@ -123,11 +121,18 @@ def test_two_processes_match_one(base, tmp_path, schedule, extra, interrupted):
     assert w_one.keys() == w_two.keys()
     for key, value in w_one.items():
         torch.testing.assert_close(w_two[key], value, rtol=0, atol=1e-6, msg=key)
+    s_one, s_two = ckpt_one.optimizer_state, ckpt_two.optimizer_state
+    assert s_two["state"].keys() == s_one["state"].keys()
+    for i, s in s_one["state"].items():
+        torch.testing.assert_close(s_two["state"][i]["exp_avg"], s["exp_avg"], rtol=0, atol=1e-6)
     # The weights moved: the comparison is not between two untrained models.
-    from vlm.policy import VLMPolicy
+    if lora:
+        assert any(v.abs().max() > 0 for k, v in w_two.items() if "lora_B" in k)
+    else:
+        from vlm.policy import VLMPolicy
 
-    start = dict(VLMPolicy.load(base).model.named_parameters())
-    assert any(not torch.equal(start[k], v) for k, v in w_two.items())
+        start = dict(VLMPolicy.load(base).model.named_parameters())
+        assert any(not torch.equal(start[k], v) for k, v in w_two.items())
 
 
 # -- a rank that holds none of the update's rows ------------------------------------------------
@@ -195,3 +200,58 @@ def test_a_rank_without_rows_of_the_update_adds_nothing_and_steps_with_the_other
             assert len(result[schedule]) == len(reference)
             for step_a, step_b in zip(reference, result[schedule]):
                 assert max((a - b).abs().max().item() for a, b in zip(step_a, step_b)) <= 1e-6, schedule
+
+
+# -- FSDP ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        # Full fine-tuning with the KL term: the reference is each rank's shards swapped in.
+        ["train.beta=0.1"],
+        # LoRA (peft's wrapper around the sharded model; its `generate` bypasses the wrapper), no KL.
+        ["model.lora_rank=4", "train.lr=1e-3", "train.beta=0.0"],
+    ],
+    ids=["full-kl", "lora"],
+)
+def test_fsdp_two_processes_match_one_and_resume(base, tmp_path, seeded_cli, variant):
+    """FSDP on 2 ranks (serial schedule, flat groups dropped; interrupted after iteration 2,
+    resumed) == 1 process for 3 iterations.
+
+    What FSDP adds is exercised here: the model is sharded (each rank holds half the parameters),
+    the rollout decodes with synced_gpus, a rank with fewer micro-batches of a minibatch (or none
+    of the update's rows) runs zero-weight ones, activation checkpointing is on (the shipped file),
+    the held-out eval runs on both ranks, and the checkpoint is gathered to the one-process layout
+    and loaded back into the shards. Tolerances as in test_two_processes_match_one (measured:
+    metrics 7e-7 absolute, weights 3e-8 (full) and 2.6e-7 (LoRA, lr 1e-3)).
+    """
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ["train.schedule=serial", "train.drop_flat_groups=true", "eval.every=3", *variant]
+    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(seeded_cli), "vlm", "train", *dp_overrides(base, 3), *extra, "--run-dir", str(one), "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = cpu_fsdp_config(tmp_path / "fsdp.yaml")
+    proc = launch(config, "vlm", "train", *dp_overrides(base, 2), *extra, "--run-dir", str(two), script=seeded_cli)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.search(r"fsdp: model sharded over 2 ranks, local parameters \[(\d+), (\d+)\] of (\d+)", proc.stdout)
+    assert found, proc.stdout[-2000:]
+    local0, local1, full = map(int, found.groups())
+    assert local0 + local1 == full and abs(local0 - full / 2) <= 0.01 * full, (local0, local1, full)
+    proc = launch(config, "vlm", "train", *dp_overrides(base, 3), *extra, "--run-dir", str(two), script=seeded_cli)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("resuming from") == 1 and "(iteration 2)" in proc.stdout
+
+    rows_one, rows_two = read_metrics(one), read_metrics(two)
+    assert [r["step"] for r in rows_two] == [1, 2, 3]
+    assert "eval/accuracy" in rows_two[2]
+    assert any(0 < r["grpo/rows_updated"] < 12 for r in rows_one), "no flat group was dropped"
+    assert_same_run(one, two, base, lora="model.lora_rank=4" in variant)
+
+
+def test_fsdp_refuses_the_rollplex_schedule(base, tmp_path):
+    config = cpu_fsdp_config(tmp_path / "fsdp.yaml")
+    proc = launch(config, "vlm", "train", *dp_overrides(base, 1), "train.schedule=rollplex", "--run-dir", str(tmp_path / "run"), timeout=120)
+    assert proc.returncode != 0
+    assert "train.schedule=rollplex does not run under FSDP" in proc.stderr + proc.stdout

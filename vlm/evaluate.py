@@ -13,7 +13,13 @@ from vlm.task import Example, example_image, heldout_examples
 
 
 def evaluate(
-    policy: VLMPolicy, task: TaskConfig, *, examples: list[Example] | None = None, batch_size: int = 128, max_new_tokens: int = 6
+    policy: VLMPolicy,
+    task: TaskConfig,
+    *,
+    examples: list[Example] | None = None,
+    batch_size: int = 128,
+    max_new_tokens: int = 6,
+    synced_gpus: bool = False,
 ) -> dict:
     """Greedy-decode every held-out example and score it.
 
@@ -23,13 +29,14 @@ def evaluate(
         examples: the examples to score instead of the held-out split.
         batch_size: examples per generate call.
         max_new_tokens: most tokens per answer.
+        synced_gpus: the model is FSDP-sharded: every rank must call this (`HFRolloutEngine`).
 
     Returns:
         {"accuracy", "format_rate", "accuracy/<question type>", "num_examples", "seconds"}.
     """
     began = time.monotonic()
     examples = heldout_examples(task) if examples is None else examples
-    engine = HFRolloutEngine(policy, batch_size=batch_size)
+    engine = HFRolloutEngine(policy, batch_size=batch_size, synced_gpus=synced_gpus)
     texts: list[str] = []
     for start in range(0, len(examples), batch_size):
         part = examples[start : start + batch_size]

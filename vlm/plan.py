@@ -29,8 +29,9 @@ per row; "rollplex" keeps the actor prefix (P prompts x L tokens, vision once pe
 graph through the update, and each micro-batch runs b x T suffix tokens whose attention saves k and
 v over L + T. The reference prefix's keys and values are boundary state (buffers).
 
-The VLM trainer runs in one process (no data parallelism): --gpus matters for the FSDP suggestions,
-under which every process takes 1/k of the micro-batch rows.
+Under FSDP (configs/accelerate/fsdp.yaml, serial schedule) each of the k processes holds 1/k of the
+weights, gradients and optimizer state and scores its own rows of every minibatch (1/k of them) in
+micro-batches of at most `train.micro_batch_size`.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def vlm_roles(cfg, m: VLMModel, layout: Layout, prompt_tokens: int, patches: int
     ad = m.lora_bytes_per_param if r else a
     num_prompts, rows_total = tc.prompts_per_iteration, tc.prompts_per_iteration * rc.group_size
     L, T = prompt_tokens, rc.max_new_tokens
-    b = math.ceil(min(tc.micro_batch_size, tc.minibatch_size, rows_total) / k)  # FSDP processes split the rows
+    b = min(tc.micro_batch_size, math.ceil(min(tc.minibatch_size, rows_total) / k))  # FSDP processes split the rows
     vision_trains = cfg.model.train_vision
     lora_params = r * m.lora_params_per_rank
     trainable = lora_params if r else m.params - (0 if vision_trains else m.vision_params)

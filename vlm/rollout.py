@@ -45,7 +45,15 @@ class RolloutEngine(Protocol):
     """Samples responses with the current weights (a transformers or, later, a vLLM backend)."""
 
     def generate(
-        self, batch: PromptBatch, num_samples: int, max_new_tokens: int, temperature: float, seed: int, *, rows: range | None = None
+        self,
+        batch: PromptBatch,
+        num_samples: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        *,
+        rows: range | None = None,
+        pad: int = 0,
     ) -> Rollout:
         """Sample `num_samples` responses for each prompt of `batch`.
 
@@ -58,6 +66,8 @@ class RolloutEngine(Protocol):
             rows: which rows of the whole prompt-major P * G rollout to sample (default: all). A
                 data-parallel rank samples its contiguous slice; row r keeps the seed
                 derive_seed(seed, r // G, r % G) whatever the slice, so no response depends on the rank.
+            pad: sample this many repeats of the last row too, and drop them (an FSDP rank samples as
+                many rows as the others: every forward is a collective).
         """
         ...
 
@@ -110,15 +120,27 @@ class HFRolloutEngine:
     Args:
         policy: the policy whose current weights sample.
         batch_size: sequences per generate call (results do not depend on it).
+        synced_gpus: the model is FSDP-sharded: every forward is a collective, so each rank keeps
+            running forwards (transformers' `synced_gpus`) until every rank's sequences have
+            ended; the caller gives every rank as many rows (`generate`'s `pad`).
     """
 
-    def __init__(self, policy: VLMPolicy, *, batch_size: int = 128):
+    def __init__(self, policy: VLMPolicy, *, batch_size: int = 128, synced_gpus: bool = False):
         self.policy = policy
         self.batch_size = batch_size
+        self.synced_gpus = synced_gpus
 
     @torch.no_grad()
     def generate(
-        self, batch: PromptBatch, num_samples: int, max_new_tokens: int, temperature: float, seed: int, *, rows: range | None = None
+        self,
+        batch: PromptBatch,
+        num_samples: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        *,
+        rows: range | None = None,
+        pad: int = 0,
     ) -> Rollout:
         from transformers import GenerationConfig, LogitsProcessorList
 
@@ -128,6 +150,10 @@ class HFRolloutEngine:
         assert len(prompts_of(rows, G)) == batch.num_rows, (rows, batch.num_rows)
         row_seeds = [derive_seed(seed, r // G, r % G) for r in rows]
         prompt_rows = batch.select([r // G - rows.start // G for r in rows])  # each prompt once per sample
+        num_rows = prompt_rows.num_rows
+        if pad:  # repeats of the last row, sampled then dropped: as many generate calls as the other ranks
+            row_seeds += row_seeds[-1:] * pad
+            prompt_rows = prompt_rows.select(list(range(num_rows)) + [num_rows - 1] * pad)
         config = GenerationConfig(
             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=policy.eos_token_id, pad_token_id=policy.pad_token_id
         )
@@ -138,10 +164,14 @@ class HFRolloutEngine:
             processors = LogitsProcessorList([BanTokens(policy.banned_token_ids)])
             if temperature > 0:
                 processors.append(GumbelNoise(row_seeds[idx[0] : idx[-1] + 1], temperature))
-            out = policy.model.generate(**part.model_inputs(), generation_config=config, logits_processor=processors)
+            out = policy.model.generate(
+                **part.model_inputs(), generation_config=config, logits_processor=processors, synced_gpus=self.synced_gpus
+            )
             chunks.append(out[:, part.input_ids_BL.shape[1] :].cpu())
         width = max(c.shape[1] for c in chunks)
         response_ids_BT = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=policy.pad_token_id) for c in chunks])
+        if pad:  # drop the padding rows (a repeat of the last row: it adds no width)
+            response_ids_BT, prompt_rows = response_ids_BT[:num_rows], prompt_rows.select(list(range(num_rows)))
         mask_BT = response_mask(response_ids_BT, policy.eos_token_id)
         response_ids_BT = torch.where(mask_BT.bool(), response_ids_BT, torch.full_like(response_ids_BT, policy.pad_token_id))
         return Rollout(prompt_rows, response_ids_BT, mask_BT, policy.decode(response_ids_BT, mask_BT))

@@ -240,7 +240,8 @@ class RollplexSchedule:
         self._clear()
 
     # 1. Rollout, with the reference and actor prefixes of θ_k running alongside.
-    def rollout(self, prompts: PromptBatch, seed: int, rows: range | None = None) -> Rollout:
+    def rollout(self, prompts: PromptBatch, seed: int, rows: range | None = None, pad: int = 0) -> Rollout:
+        assert pad == 0, "padding rows are for FSDP, which this schedule does not run under (vlm.train)"
         rc = self.cfg.rollout
         self._drop()
         version = self.guard.version

@@ -16,12 +16,24 @@ the P * G rows (a group may span two ranks; sample g of prompt p keeps its seed 
 the rewards are all-gathered before the group advantages, every rank walks the same global
 minibatches with the loss divisors of the whole minibatch, gradients are summed over ranks before
 clipping, and only rank 0 writes (config, metrics, checkpoints) and evaluates.
+
+FSDP (configs/accelerate/fsdp.yaml, serial schedule): the model is sharded
+(`distributed.shard_module`: every decoder layer and vision block, then the root), so every
+forward is a collective and every rank runs as many: the rollout is padded to the same row count
+and decodes with transformers' `synced_gpus`; the reference and old log-prob passes score as many
+rows on every rank (repeats of a row, dropped); in the update a rank with fewer micro-batches of a
+minibatch runs zero-weight ones (`UpdateShard.spare`); the held-out eval runs on every rank; the
+KL reference of a full fine-tune is a clone of each rank's shards swapped in
+(`distributed.swapped_shards`); checkpoints are gathered to rank 0 in the one-process layout.
+The Rollplex schedule is refused: its prefix passes run in a worker thread while the rollout
+decodes, and two threads' all-gathers would not run in the same order on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +46,9 @@ from rich.table import Table
 
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config_io import dump_yaml, save_config, to_dict
-from spotlight.distributed import DataParallel, init_data_parallel
+from spotlight.distributed import (
+    DataParallel, gather_sharded_train_state, init_data_parallel, load_sharded_train_state, shard_module, swapped_shards,
+)  # fmt: skip
 from spotlight.sampling import derive_seed
 from spotlight.tracking import Tracker
 from vlm.config import VLMRecipe
@@ -47,18 +61,29 @@ from vlm.task import TrainStream, example_image
 
 
 class Reference:
-    """The frozen reference policy of the KL term: the adapter switched off (LoRA) or a frozen copy."""
+    """The frozen reference policy of the KL term: the adapter switched off (LoRA) or a frozen copy.
 
-    def __init__(self, policy: VLMPolicy, beta: float):
+    Under FSDP (`sharded`) a full fine-tune's reference is a clone of this rank's shards of the
+    trained weights, swapped in for the reference passes, not a copy of the module.
+    """
+
+    def __init__(self, policy: VLMPolicy, beta: float, *, sharded: bool = False):
         self.policy = policy
         self.copy = None
-        if beta > 0 and not policy.has_lora:
+        self.params, self.shards = [], []
+        if beta > 0 and not policy.has_lora and sharded:
+            self.params = [p for p in policy.model.parameters() if p.requires_grad]
+            self.shards = [p.detach().clone() for p in self.params]
+        elif beta > 0 and not policy.has_lora:
             self.copy = copy.deepcopy(policy.model).requires_grad_(False)
 
     @torch.no_grad()
     def logprobs(self, ro: Rollout, temperature: float, micro_batch_size: int) -> torch.Tensor:
         """(B, T) reference log-probs of the rollout's responses."""
-        ctx = self.policy.model.disable_adapter() if self.copy is None else contextlib.nullcontext()
+        if self.shards:
+            ctx = swapped_shards(self.policy.model, self.params, self.shards)
+        else:
+            ctx = self.policy.model.disable_adapter() if self.copy is None else contextlib.nullcontext()
         with ctx:
             return batched_logprobs(self.policy, ro, temperature, micro_batch_size, model=self.copy)
 
@@ -111,6 +136,11 @@ class UpdateShard:
     """Position, among the N rows of the update, of this rank's first row."""
     num_tokens_N: torch.Tensor
     """(N,) response tokens of every row of the update, every rank's: the loss divisors are global."""
+    owner_N: torch.Tensor | None = None
+    """FSDP: (N,) the rank holding each row of the update (the ranks' micro-batch counts)."""
+    spare: Rollout | None = None
+    """FSDP: one row of this rank's rollout, scored with weight 0 in the micro-batches a rank runs
+    beyond its own so that every rank runs as many forwards and backwards."""
 
     @classmethod
     def whole(cls, ro: Rollout) -> UpdateShard:
@@ -149,7 +179,9 @@ def update(
     lo, hi = shard.offset, shard.offset + (ro.prompts.num_rows if ro is not None else 0)
     sums = {"clip_frac": 0.0, "ratio_mean": 0.0, "kl_ref": 0.0, "tokens": 0.0}
     losses, grad_norms = [], []
-    params = [p for p in policy.model.parameters() if p.requires_grad]
+    # The optimizer's parameters: under FSDP the model's own may be the gathered (unsharded) ones
+    # between forwards, while the gradients land on the shards.
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     for epoch in range(tc.num_inner_epochs):
         order = np.random.default_rng(derive_seed(tc.seed, iteration, 1, epoch)).permutation(num_rows).tolist()
         for mb_start in range(0, num_rows, tc.minibatch_size):
@@ -177,9 +209,14 @@ def update(
                 for k, v in s.items():  # token means of the micro-batch -> token sums
                     sums[k] += v * tokens
                 sums["tokens"] += tokens
+            if shard.owner_N is not None:  # FSDP: as many forwards and backwards as the busiest rank
+                counts = torch.bincount(shard.owner_N[mb_all], minlength=shard.dp.world_size).tolist()
+                spare = FullForward(policy, shard.spare, cfg.rollout.temperature)
+                for _ in range(max(math.ceil(c / tc.micro_batch_size) for c in counts) - math.ceil(len(mb_rows) / tc.micro_batch_size)):
+                    (spare.logprobs([0]).sum() * 0.0).backward()
             scorer.before_step()
-            shard.dp.all_reduce_grads(params)  # the one-process minibatch gradient, before clipping
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm)
+            shard.dp.all_reduce_grads(params)  # the one-process minibatch gradient, before clipping (FSDP: done)
+            grad_norm = shard.dp.clip_grad_norm_(params, tc.max_grad_norm)
             scorer.step(optimizer)
             losses.append(loss_total)
             grad_norms.append(float(grad_norm))
@@ -201,9 +238,9 @@ class SerialSchedule:
     def __init__(self, policy: VLMPolicy, engine: RolloutEngine, reference: Reference, optimizer: torch.optim.Optimizer, cfg: VLMRecipe):
         self.policy, self.engine, self.reference, self.optimizer, self.cfg = policy, engine, reference, optimizer, cfg
 
-    def rollout(self, prompts, seed: int, rows: range | None = None) -> Rollout:
+    def rollout(self, prompts, seed: int, rows: range | None = None, pad: int = 0) -> Rollout:
         rc = self.cfg.rollout
-        return self.engine.generate(prompts, rc.group_size, rc.max_new_tokens, rc.temperature, seed=seed, rows=rows)
+        return self.engine.generate(prompts, rc.group_size, rc.max_new_tokens, rc.temperature, seed=seed, rows=rows, pad=pad)
 
     def reference_logprobs(self, batch: Rollout, rows: list[int]) -> torch.Tensor:
         return self.reference.logprobs(batch, self.cfg.rollout.temperature, self.cfg.train.micro_batch_size)
@@ -232,6 +269,22 @@ def make_schedule(name: str, policy: VLMPolicy, engine: RolloutEngine, reference
     raise ValueError(f"train.schedule must be 'serial' or 'rollplex', got {name!r}")
 
 
+def checkpoint_layers(policy: VLMPolicy) -> None:
+    """transformers' per-layer activation checkpointing (FSDP's `fsdp_activation_checkpointing`).
+
+    transformers recomputes a layer in the backward only while that layer's own `training` flag is
+    set. The policy stays in eval mode (no dropout: the rollout, the reference and the update see
+    one function), so only the layers' flags are set; their submodules, where dropout would act,
+    stay in eval mode. Without gradients (rollout, reference) a layer runs as is.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    policy.base_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    for m in policy.model.modules():
+        if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing:
+            m.training = True
+
+
 def gather_rewards(dp: DataParallel, local: RewardResult) -> RewardResult:
     """The whole batch's rewards on every rank, from each rank's rewards of its rows (rank order)."""
     if dp.world_size == 1:
@@ -257,6 +310,12 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
     num_rollout = P + tc.refill_prompts
     if num_rollout * G < dp.world_size:
         raise ValueError(f"train.prompts_per_iteration * rollout.group_size = {P * G} samples for {dp.world_size} processes: give every process at least one")
+    if dp.sharded and tc.schedule == "rollplex":
+        raise ValueError(
+            "train.schedule=rollplex does not run under FSDP: its prefix passes run in a worker thread while the rollout "
+            "decodes, and FSDP's all-gathers must run in one order on every rank; set train.schedule=serial, or launch "
+            "with configs/accelerate/multi-gpu-ddp.yaml (full replicas, both schedules)"
+        )
     if dp.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
@@ -264,11 +323,43 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
         torch.set_num_threads(tc.num_threads)
 
     policy = load_policy(cfg.model)
+    if dp.sharded:  # rank 0's trainable weights, then sharded
+        import warnings
+
+        from torch.distributed.fsdp import FSDPModule
+
+        # The logits come back as a view (transformers' `logits_to_keep` slice); nothing here
+        # modifies them in place (`vlm.policy.token_logprobs`), which is what FSDP warns about.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        hint = "Qwen2_5_VLDecoderLayer,Qwen2_5_VLVisionBlock (Qwen3-VL: Qwen3VLTextDecoderLayer,Qwen3VLVisionBlock)"
+        # The root is the transformers model, under peft's wrapper with LoRA (peft's `generate` calls
+        # it directly); the vision tower is a unit of its own (`generate` encodes the images outside
+        # the model's forward).
+        local, full = shard_module(
+            policy.base_model, dp, enable_checkpointing=lambda: checkpoint_layers(policy), hint=hint,
+            units=[policy.base_model.model.visual],
+        )  # fmt: skip
+        counts = dp.all_gather_rows(torch.tensor([local])).tolist()
+        console.print(f"fsdp: model sharded over {dp.world_size} ranks, local parameters {counts} of {full}")
+        # FSDP2 takes the first sharded module to run forward as the root, and `generate` runs the
+        # vision tower before the model: one forward of the whole model (a one-token score) goes first.
+        first = TrainStream(cfg.task, seed=tc.seed).batch(0, 1)
+        with torch.no_grad():
+            response_logprobs(
+                policy, policy.encode([first[0].question], [example_image(first[0], cfg.task)]),
+                torch.tensor([[policy.eos_token_id]]), torch.ones(1, 1, dtype=torch.long), cfg.rollout.temperature,
+            )  # fmt: skip
+        # The root keeps its weights gathered after a forward; shard them again before the
+        # optimizer and the reference take the parameters (the shards).
+        for m in policy.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    # Every replica starts from rank 0's weights, as DDP does: a LoRA adapter's init is drawn per process.
-    dp.broadcast_tensors(params)
-    engine = ENGINES[cfg.rollout.engine](policy, batch_size=cfg.rollout.batch_size)
-    reference = Reference(policy, tc.beta)
+    if not dp.sharded:
+        # Every replica starts from rank 0's weights, as DDP does: a LoRA adapter's init is drawn per process.
+        dp.broadcast_tensors(params)
+    engine = ENGINES[cfg.rollout.engine](policy, batch_size=cfg.rollout.batch_size, synced_gpus=dp.sharded)
+    reference = Reference(policy, tc.beta, sharded=dp.sharded)
     optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
     reward_fn = CombinedReward(cfg.reward.weights)
     stream = TrainStream(cfg.task, seed=tc.seed)
@@ -279,17 +370,27 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
     latest = dp.broadcast_object(find_latest_checkpoint(run_dir) if resume and dp.is_main else None)
     if latest is not None:
         ckpt = load_checkpoint(latest)
-        load_trainable_state(policy, ckpt.tensors["trainable"])
-        optimizer.load_state_dict(ckpt.optimizer_state)
+        if dp.sharded:  # a collective: rank 0's state is broadcast, each rank keeps its shards
+            load_sharded_train_state(dp, policy.model, policy.has_lora, optimizer, ckpt.tensors["trainable"], ckpt.optimizer_state)
+        else:
+            load_trainable_state(policy, ckpt.tensors["trainable"])
+            optimizer.load_state_dict(ckpt.optimizer_state)
         restore_rng_state(ckpt.rng_state)
         start_iter = ckpt.step
         console.print(f"resuming from {ckpt.path} (iteration {start_iter})")
 
-    def checkpoint(step: int, metrics: dict) -> Path:
+    def checkpoint(step: int, metrics: dict) -> Path | None:
+        """Save on rank 0 (under FSDP every rank calls this: the state is gathered to rank 0)."""
+        if dp.sharded:
+            state = gather_sharded_train_state(dp, policy.model, policy.has_lora, optimizer)
+        else:
+            state = (trainable_state(policy), optimizer.state_dict()) if dp.is_main else None
+        if state is None:
+            return None
         return save_checkpoint(
             run_dir, step,
-            tensors={"trainable": trainable_state(policy)},
-            optimizer_state=optimizer.state_dict(),
+            tensors={"trainable": state[0]},
+            optimizer_state=state[1],
             rng_state=capture_rng_state(),
             meta={"step": step, "metrics": metrics, "lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
                   "train_vision": cfg.model.train_vision},
@@ -302,6 +403,9 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
     on_policy = tc.num_inner_epochs == 1 and tc.minibatch_size >= P * G
     lo, hi = dp.shard(num_rollout * G)  # this rank's rows of every iteration's rollout (all of them in one process)
     mine = prompts_of(range(lo, hi), G)  # and the prompts they belong to
+    num_pad = dp.num_padding(num_rollout * G)  # FSDP: rows sampled and dropped, so every rank samples as many
+    # Where each rank's rows start and end (FSDP: the update's micro-batch counts of every rank).
+    bounds = [num_rollout * G * r // dp.world_size for r in range(dp.world_size + 1)]
     if dp.world_size > 1:
         console.print(f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {num_rollout * G} samples on rank 0")
     history: list[dict] = []
@@ -321,7 +425,7 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
             prompts = policy.encode([e.question for e in examples], [example_image(e, cfg.task) for e in examples])
             if len(mine) < num_rollout:
                 prompts = prompts.select(list(mine))
-            ro = schedule.rollout(prompts, seed=derive_seed(tc.seed, it, 0), rows=range(lo, hi))
+            ro = schedule.rollout(prompts, seed=derive_seed(tc.seed, it, 0), rows=range(lo, hi), pad=num_pad)
             t1 = time.monotonic()
             # 2. Verifiable rewards and group-relative advantages (flat groups carry no signal). Every
             #    rank gets the whole batch's rewards: the group statistics are global.
@@ -343,14 +447,27 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
             t2 = t3 = time.monotonic()
             stats: dict[str, float] = {}
             if rows:
+                owner_N = torch.tensor([int(np.searchsorted(bounds, r, side="right")) - 1 for r in rows])
+                # FSDP: every rank scores as many rows (the busiest rank's count; repeats, dropped after).
+                scored = batch
+                if dp.sharded:
+                    width = int(torch.bincount(owner_N, minlength=dp.world_size).max())
+                    have = [r - lo for r in local] or [0]
+                    scored = ro.select(have + have[-1:] * (width - len(local)) if local else have * width)
                 # 3. Reference log-probs (KL term), then old log-probs (the ratio's denominator).
-                ref_logp_BT = schedule.reference_logprobs(batch, local) if tc.beta > 0 and batch is not None else None
+                ref_logp_BT = schedule.reference_logprobs(scored, local) if tc.beta > 0 and scored is not None else None
                 t2 = time.monotonic()
                 # On policy (one optimizer step on fresh samples) old == current weights, ratio 1.
-                old_logp_BT = None if on_policy or batch is None else schedule.old_logprobs(batch, local)
+                old_logp_BT = None if on_policy or scored is None else schedule.old_logprobs(scored, local)
                 t3 = time.monotonic()
+                if dp.sharded:  # this rank's rows only
+                    ref_logp_BT = ref_logp_BT[: len(local)] if ref_logp_BT is not None else None
+                    old_logp_BT = old_logp_BT[: len(local)] if old_logp_BT is not None else None
                 # 4. Policy update; gradients summed over ranks.
-                shard = UpdateShard(dp, rows.index(local[0]) if local else 0, num_tokens_B[rows])
+                shard = UpdateShard(
+                    dp, rows.index(local[0]) if local else 0, num_tokens_B[rows],
+                    owner_N=owner_N if dp.sharded else None, spare=ro.select([0]) if dp.sharded else None,
+                )  # fmt: skip
                 stats = schedule.update(batch, local, adv_B[local], old_logp_BT, ref_logp_BT, it, shard=shard)
             t4 = time.monotonic()
 
@@ -369,15 +486,18 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
             }
             step = it + 1
             history.append(metrics)
+            # The held-out eval: on rank 0, or under FSDP on every rank (its forwards are collectives).
+            if cfg.eval.every and step % cfg.eval.every == 0 and (dp.is_main or dp.sharded):
+                summary = evaluate(
+                    policy, cfg.task, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.rollout.max_new_tokens, synced_gpus=dp.sharded
+                )
+                metrics.update({f"eval/{k}": v for k, v in summary.items() if k.startswith("accuracy") or k == "format_rate"})
             if dp.is_main:
-                if cfg.eval.every and step % cfg.eval.every == 0:
-                    summary = evaluate(policy, cfg.task, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.rollout.max_new_tokens)
-                    metrics.update({f"eval/{k}": v for k, v in summary.items() if k.startswith("accuracy") or k == "format_rate"})
                 tracker.log(metrics, step=step)
             # Rank 0's clock decides for every rank, so that all of them stop after the same iteration.
             out_of_time = dp.broadcast_object(bool(tc.max_minutes and time.monotonic() - began > 60 * tc.max_minutes))
-            if dp.is_main and (step % cfg.log.checkpoint_every == 0 or step == tc.num_iterations or out_of_time):
-                last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith("time/")})
+            if step % cfg.log.checkpoint_every == 0 or step == tc.num_iterations or out_of_time:
+                last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith("time/")}) or last_ckpt
             bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
             if out_of_time:
                 console.print(f"train.max_minutes={tc.max_minutes} reached after iteration {step}")
