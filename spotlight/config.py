@@ -254,7 +254,7 @@ class CostConfig:
     on_demand_usd_per_gpu_hour: float = 6.88
     """On-demand price of one GPU-hour (the trainer's node); the default is about AWS's p5 (H100) list price in us-east-1, mid-2025."""
     trainer_gpus: int = 1
-    """GPUs of the trainer's on-demand node, charged for the whole run (a CPU run counts as one)."""
+    """GPUs of the trainer's on-demand node, charged for the whole run (a CPU run counts as one; a launch of N processes charges at least N)."""
     spot_price: Literal["discount", "history"] = "discount"
     """How spot GPU-hours are priced: "discount" = spot_discount off on-demand; "history" = EC2 spot price history (boto3, standard AWS credential chain)."""
     spot_discount: float = 0.6

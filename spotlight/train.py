@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -90,7 +91,8 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
                 # metrics and cost ledger up to it) back from the store before anything reads the run dir.
                 mirror.restore(run_dir)
             # The cost clock starts before anything loads: a node is paid for while it loads the model too.
-            ledger = CostLedger(run_dir, cfg.cost, resume=resume)
+            # A launch of N processes holds at least N GPUs: charge those when the recipe says fewer.
+            ledger = CostLedger(run_dir, replace(cfg.cost, trainer_gpus=max(cfg.cost.trainer_gpus, dp.world_size)), resume=resume)
             # Explorers (Ray actors, none in mode "none") load the model while the trainer does.
             exploration = start_exploration(cfg, run_dir)
         return _train(cfg, run_dir, dp, exploration, ledger, mirror, resume=resume, progress=progress and dp.is_main)

@@ -7,19 +7,21 @@ config, and compares it with a single process on the same global batch and seeds
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from launch import free_port, launch
 from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
 from spotlight.distributed import DataParallel
-from launch import free_port, launch
 from spotlight.tracking import read_metrics
 
 CPU_2PROC = "configs/accelerate/cpu-2proc.yaml"
+
 
 def dp_overrides(model_dir: Path, iterations: int) -> list[str]:
     """The tiny recipe with 3 groups of 4: rank 0 holds samples 0-5 and rank 1 samples 6-11, so the
@@ -80,6 +82,10 @@ def test_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, objective)
         for key, value in a.items():
             if not key.startswith(("time/", "cost/")):
                 assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
+    # The cost ledger charged one on-demand GPU per process (cost.trainer_gpus is 1 in the recipe).
+    for run, gpus in ((one, 1), (two, 2)):
+        usage = json.loads((run / "cost.json").read_text())["pools"]["on_demand"]["usage"]
+        assert {g for _, _, g in usage} == {gpus}, run
     ckpt_one, ckpt_two = load_checkpoint(one), load_checkpoint(two)
     assert ckpt_one.step == ckpt_two.step == 3
     for key, value in ckpt_one.tensors["trainable"].items():
