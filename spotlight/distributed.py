@@ -280,9 +280,9 @@ def shard_module(
 ) -> tuple[int, int]:
     """Shard `module` in place with FSDP2 as `dp.fsdp` says; returns (local, full) parameter counts.
 
-    Every rank first takes rank 0's trainable weights (accelerate's `fsdp_sync_module_states`: a
-    LoRA adapter's init is drawn per process); the frozen base is loaded from the same files
-    everywhere. Then each block (the modules of `fsdp_transformer_layer_cls_to_wrap`'s classes
+    Every rank first takes rank 0's trainable weights (accelerate's `fsdp_sync_module_states`; the
+    trainers' LoRA init already follows train.seed, this covers any policy); the frozen base is
+    loaded from the same files everywhere. Then each block (the modules of `fsdp_transformer_layer_cls_to_wrap`'s classes
     that `module` contains) and the root are `fully_shard`ed: afterwards every parameter is a
     DTensor holding 1/world_size of its rows on this rank. The gradient reduction sums (divide
     factor 1): the trainers weight each rank's loss by its share of the minibatch, as with

@@ -10,6 +10,7 @@ default therefore go through the same `from_pretrained` calls and the same forwa
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -192,8 +193,35 @@ def default_model_path() -> Path:
     return Path(__file__).parent / "assets" / "tiny-shapes-base"
 
 
-def load_policy(model_cfg, *, trainable: bool = True) -> DiTPolicy:
-    """The policy a `ModelConfig` describes: folder, size, dtype, device, LoRA or full weights."""
+LORA_INIT_STREAM = 0x10A1
+"""`derive_seed` stream of a LoRA adapter's initial weights (`seeded_init`)."""
+
+
+@contextmanager
+def seeded_init(seed: int | None, device: str | torch.device):
+    """torch's generators (CPU, and `device`'s if a GPU) seeded from `seed` for a weight init, then restored.
+
+    peft draws a LoRA adapter's initial weights from torch's global generators, which torch seeds
+    at random in every process: seeded here from the run's seed, the same recipe starts from the
+    same adapter (and the rest of the run's randomness is left as it was). None: no seeding.
+    """
+    if seed is None:
+        yield
+        return
+    from spotlight.sampling import derive_seed
+
+    device = torch.device(device)
+    gpus = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus):
+        torch.manual_seed(derive_seed(seed, LORA_INIT_STREAM))  # seeds the GPUs' generators too
+        yield
+
+
+def load_policy(model_cfg, *, trainable: bool = True, seed: int | None = None) -> DiTPolicy:
+    """The policy a `ModelConfig` describes: folder, size, dtype, device, LoRA or full weights.
+
+    `seed` (the run's `train.seed`) seeds a LoRA adapter's initial weights (`seeded_init`).
+    """
     path = model_cfg.path or default_model_path()
     policy = DiTPolicy.load(
         path,
@@ -204,7 +232,8 @@ def load_policy(model_cfg, *, trainable: bool = True) -> DiTPolicy:
         device=model_cfg.device,
     )
     if model_cfg.lora_rank:
-        policy.add_lora(model_cfg.lora_rank, model_cfg.lora_alpha or model_cfg.lora_rank)
+        with seeded_init(seed, model_cfg.device):
+            policy.add_lora(model_cfg.lora_rank, model_cfg.lora_alpha or model_cfg.lora_rank)
     if model_cfg.gradient_checkpointing:
         policy.transformer.enable_gradient_checkpointing()
     if not trainable:

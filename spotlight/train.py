@@ -121,7 +121,7 @@ def _train(
         save_config(cfg, run_dir / "config.yaml")
 
     train_prompts, eval_prompts = train_and_eval_prompts(cfg.data, cfg.reward.weights)
-    policy = load_policy(cfg.model)
+    policy = load_policy(cfg.model, seed=cfg.train.seed)
     P, G = cfg.train.prompts_per_iteration, cfg.train.group_size
     if dp.sharded:
         if P * G < dp.world_size:

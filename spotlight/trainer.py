@@ -46,7 +46,7 @@ class GRPOTrainer:
         self.params = [p for p in policy.transformer.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the transformer has no trainable parameters (model.lora_rank / model config?)")
-        # Every replica starts from rank 0's weights, as DDP does: a LoRA adapter's init is drawn per process.
+        # Every replica starts from rank 0's weights, as DDP does (a LoRA init follows train.seed, but a caller may pass any policy).
         # (A sharded transformer was synchronised before sharding: `distributed.shard_transformer`.)
         if not self.dp.sharded:
             self.dp.broadcast_tensors(self.params)

@@ -50,16 +50,3 @@ def ray_address():
     cluster = LocalCluster(2)
     yield cluster.address
     cluster.shutdown()
-
-
-@pytest.fixture()
-def seeded_cli(tmp_path):
-    """A script running the spotlight CLI with torch's global generator seeded first.
-
-    A LoRA adapter's init is drawn from that generator, which torch seeds at random in each
-    process: seeded, a data-parallel rank 0 (whose init every rank takes) draws the init a
-    one-process reference run of the same script draws.
-    """
-    path = tmp_path / "seeded_cli.py"
-    path.write_text("import sys\nimport torch\n\ntorch.manual_seed(0)\nfrom spotlight.cli import main\n\nsys.exit(main(sys.argv[1:]))\n")
-    return path

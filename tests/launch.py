@@ -31,10 +31,8 @@ def cpu_fsdp_config(path: Path) -> Path:
     return path
 
 
-def launch(config: Path | str, *args: str, script: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file config` of the spotlight CLI (through `script`, e.g. the
-    `seeded_cli` fixture, else `-m spotlight.cli`) with `args`, one thread per process."""
-    target = [str(script)] if script else ["-m", "spotlight.cli"]
-    cmd = [str(ACCELERATE), "launch", "--config_file", str(config), "--main_process_port", str(free_port()), *target, *args]
+def launch(config: Path | str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file config -m spotlight.cli` with `args`, one thread per process."""
+    cmd = [str(ACCELERATE), "launch", "--config_file", str(config), "--main_process_port", str(free_port()), "-m", "spotlight.cli", *args]
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)

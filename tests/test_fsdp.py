@@ -56,7 +56,7 @@ def fsdp_overrides(model_dir: Path, iterations: int) -> list[str]:
     ],
     ids=["nft-lora", "flow_grpo-kl"],
 )
-def test_fsdp_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, seeded_cli, variant):
+def test_fsdp_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, variant):
     """FSDP on 2 ranks (interrupted after iteration 2, resumed) == 1 process for 3 iterations.
 
     Tolerances as in test_distributed.py (rounding: sub-batch losses, gradients summed in another
@@ -65,21 +65,20 @@ def test_fsdp_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, seede
     """
     one, two = tmp_path / "one", tmp_path / "two"
     config = cpu_fsdp_config(tmp_path / "cpu-fsdp.yaml")
-    script = seeded_cli
-    # The reference in a fresh process running the same script as the ranks.
+    # The reference in a fresh process (a LoRA adapter's init follows train.seed in every process).
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(script), "train", *fsdp_overrides(tiny_model_dir, 3), *variant, "--run-dir", str(one), "--quiet"]
+    cmd = [sys.executable, "-m", "spotlight.cli", "train", *fsdp_overrides(tiny_model_dir, 3), *variant, "--run-dir", str(one), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    proc = launch(config, "train", *fsdp_overrides(tiny_model_dir, 2), *variant, "--run-dir", str(two), script=script)
+    proc = launch(config, "train", *fsdp_overrides(tiny_model_dir, 2), *variant, "--run-dir", str(two))
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The parameters were sharded: each rank held half of the transformer's (rows split 2 ways).
     found = re.search(r"fsdp: transformer sharded over 2 ranks, local parameters \[(\d+), (\d+)\] of (\d+)", proc.stdout)
     assert found, proc.stdout[-2000:]
     local0, local1, full = map(int, found.groups())
     assert local0 + local1 == full and abs(local0 - full / 2) <= 0.01 * full, (local0, local1, full)
-    proc = launch(config, "train", *fsdp_overrides(tiny_model_dir, 3), *variant, "--run-dir", str(two), script=script)
+    proc = launch(config, "train", *fsdp_overrides(tiny_model_dir, 3), *variant, "--run-dir", str(two))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout and "(iteration 2)" in proc.stdout
 
@@ -142,7 +141,7 @@ def test_fsdp_settings_from_accelerate_environment():
 
 
 @pytest.mark.parametrize("mode", ["inline", "stale"])
-def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ray_address, tmp_path, seeded_cli, monkeypatch, mode):
+def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ray_address, tmp_path, monkeypatch, mode):
     """FSDP + Ray exploration: rank 0 publishes the weights every rank gathered, whole.
 
     2 FSDP ranks explore on a local Ray cluster (2 spot nodes). Each explored candidate's reward,
@@ -171,7 +170,7 @@ def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ra
         "explore.max_candidates=6", "explore.budget_fraction=1.0", "explore.batch_size=4",
     ]  # fmt: skip
     config = cpu_fsdp_config(tmp_path / "cpu-fsdp.yaml")
-    proc = launch(config, "train", *overrides, "--run-dir", str(run), script=seeded_cli, timeout=240)
+    proc = launch(config, "train", *overrides, "--run-dir", str(run), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "explorer(s) ready" in proc.stdout and "fsdp: transformer sharded over 2 ranks" in proc.stdout
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]

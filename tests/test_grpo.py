@@ -164,3 +164,16 @@ def test_nft_update_on_ode_rollouts(tiny_model_dir, beta):
     assert len(changed) >= len(before) // 2
     assert math.isfinite(stats["loss"]) and stats["num_trained_samples"] == 8
     assert ("kl_ref" in stats) == (beta > 0)
+
+
+def test_lora_init_follows_the_run_seed(tiny_model_dir):
+    """The DiT adapter's initial weights are a function of train.seed (`spotlight.policy.seeded_init`)."""
+    from spotlight.config import ModelConfig
+    from spotlight.policy import load_policy, trainable_state
+
+    cfg = ModelConfig(path=str(tiny_model_dir), height=32, width=32, lora_rank=4)
+    state = torch.random.get_rng_state()
+    a, b, c = (trainable_state(load_policy(cfg, seed=s)) for s in (3, 3, 4))
+    assert torch.equal(state, torch.random.get_rng_state())
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)

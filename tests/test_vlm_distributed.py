@@ -215,7 +215,7 @@ def test_a_rank_without_rows_of_the_update_adds_nothing_and_steps_with_the_other
     ],
     ids=["full-kl", "lora"],
 )
-def test_fsdp_two_processes_match_one_and_resume(base, tmp_path, seeded_cli, variant):
+def test_fsdp_two_processes_match_one_and_resume(base, tmp_path, variant):
     """FSDP on 2 ranks (serial schedule, flat groups dropped; interrupted after iteration 2,
     resumed) == 1 process for 3 iterations.
 
@@ -229,17 +229,18 @@ def test_fsdp_two_processes_match_one_and_resume(base, tmp_path, seeded_cli, var
     one, two = tmp_path / "one", tmp_path / "two"
     extra = ["train.schedule=serial", "train.drop_flat_groups=true", "eval.every=3", *variant]
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(seeded_cli), "vlm", "train", *dp_overrides(base, 3), *extra, "--run-dir", str(one), "--quiet"]
+    # The reference in a fresh process (a LoRA adapter's init follows train.seed in every process).
+    cmd = [sys.executable, "-m", "spotlight.cli", "vlm", "train", *dp_overrides(base, 3), *extra, "--run-dir", str(one), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = cpu_fsdp_config(tmp_path / "fsdp.yaml")
-    proc = launch(config, "vlm", "train", *dp_overrides(base, 2), *extra, "--run-dir", str(two), script=seeded_cli)
+    proc = launch(config, "vlm", "train", *dp_overrides(base, 2), *extra, "--run-dir", str(two))
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.search(r"fsdp: model sharded over 2 ranks, local parameters \[(\d+), (\d+)\] of (\d+)", proc.stdout)
     assert found, proc.stdout[-2000:]
     local0, local1, full = map(int, found.groups())
     assert local0 + local1 == full and abs(local0 - full / 2) <= 0.01 * full, (local0, local1, full)
-    proc = launch(config, "vlm", "train", *dp_overrides(base, 3), *extra, "--run-dir", str(two), script=seeded_cli)
+    proc = launch(config, "vlm", "train", *dp_overrides(base, 3), *extra, "--run-dir", str(two))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("resuming from") == 1 and "(iteration 2)" in proc.stdout
 

@@ -105,3 +105,23 @@ def test_lora_and_frozen_vision_options(folder):
     assert not any(".visual." in n for n in trainable(frozen)) and any("language_model" in n for n in trainable(frozen))
     assert trainable(lora) and all("lora_" in n and "visual" not in n for n in trainable(lora))
     assert any("visual" in n for n in trainable(lora_vision)) and all("lora_" in n for n in trainable(lora_vision))
+
+
+def test_lora_init_follows_the_run_seed_and_leaves_the_global_generator(folder):
+    """A LoRA adapter's initial weights are a function of `seed` (train.seed), and drawing them does
+    not move torch's global generator; without a seed they are peft's draw from that generator."""
+    from vlm.policy import trainable_state
+
+    cfg = ModelConfig(path=str(folder), lora_rank=4)
+
+    def adapter(seed):
+        state = torch.random.get_rng_state()
+        weights = trainable_state(load_policy(cfg, seed=seed))
+        return weights, torch.equal(state, torch.random.get_rng_state())
+
+    (a, kept_a), (b, _), (c, _) = adapter(3), adapter(3), adapter(4)
+    assert kept_a and a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if "lora_A" in k)
+    _, kept = adapter(None)
+    assert not kept  # peft drew from the global generator

@@ -242,11 +242,17 @@ def token_logprobs(
     return torch.where(response_mask_BT.bool(), logp_BT, torch.zeros_like(logp_BT))
 
 
-def load_policy(model_cfg, *, trainable: bool = True) -> VLMPolicy:
-    """The recipe's policy: LoRA or full fine-tuning, vision tower trained or frozen."""
+def load_policy(model_cfg, *, trainable: bool = True, seed: int | None = None) -> VLMPolicy:
+    """The recipe's policy: LoRA or full fine-tuning, vision tower trained or frozen.
+
+    `seed` (the run's `train.seed`) seeds a LoRA adapter's initial weights (`spotlight.policy.seeded_init`).
+    """
+    from spotlight.policy import seeded_init
+
     policy = VLMPolicy.load(model_cfg.path, dtype=model_cfg.dtype, device=model_cfg.device)
     if model_cfg.lora_rank:
-        policy.add_lora(model_cfg.lora_rank, model_cfg.lora_alpha or model_cfg.lora_rank, vision=model_cfg.train_vision)
+        with seeded_init(seed, model_cfg.device):
+            policy.add_lora(model_cfg.lora_rank, model_cfg.lora_alpha or model_cfg.lora_rank, vision=model_cfg.train_vision)
     elif not model_cfg.train_vision:
         policy.freeze_vision()
     if not trainable:

@@ -322,7 +322,7 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
 
-    policy = load_policy(cfg.model)
+    policy = load_policy(cfg.model, seed=tc.seed)
     if dp.sharded:  # rank 0's trainable weights, then sharded
         import warnings
 
@@ -356,7 +356,7 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
                 m.reshard()
     params = [p for p in policy.model.parameters() if p.requires_grad]
     if not dp.sharded:
-        # Every replica starts from rank 0's weights, as DDP does: a LoRA adapter's init is drawn per process.
+        # Every replica starts from rank 0's weights, as DDP does (the LoRA init follows train.seed already; this also covers a policy loaded otherwise).
         dp.broadcast_tensors(params)
     engine = ENGINES[cfg.rollout.engine](policy, batch_size=cfg.rollout.batch_size, synced_gpus=dp.sharded)
     reference = Reference(policy, tc.beta, sharded=dp.sharded)
