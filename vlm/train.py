@@ -285,6 +285,41 @@ def checkpoint_layers(policy: VLMPolicy) -> None:
             m.training = True
 
 
+def shard_policy(policy: VLMPolicy, dp: DataParallel, cfg: VLMRecipe) -> tuple[int, int]:
+    """Shard the policy's model with FSDP2 (`distributed.shard_module`); returns (local, full) parameter counts.
+
+    The root is the transformers model, under peft's wrapper with LoRA (peft's `generate` calls it
+    directly); the vision tower is a unit of its own (`generate` encodes the images outside the
+    model's forward).
+    """
+    import warnings
+
+    from torch.distributed.fsdp import FSDPModule
+
+    # The logits come back as a view (transformers' `logits_to_keep` slice); nothing here modifies
+    # them in place (`vlm.policy.token_logprobs`), which is what FSDP warns about.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    hint = "Qwen2_5_VLDecoderLayer,Qwen2_5_VLVisionBlock (Qwen3-VL: Qwen3VLTextDecoderLayer,Qwen3VLVisionBlock)"
+    counts = shard_module(
+        policy.base_model, dp, enable_checkpointing=lambda: checkpoint_layers(policy), hint=hint,
+        units=[policy.base_model.model.visual],
+    )  # fmt: skip
+    # FSDP2 takes the first sharded module to run forward as the root, and `generate` runs the
+    # vision tower before the model: one forward of the whole model (a one-token score) goes first.
+    first = TrainStream(cfg.task, seed=cfg.train.seed).batch(0, 1)[0]
+    with torch.no_grad():
+        response_logprobs(
+            policy, policy.encode([first.question], [example_image(first, cfg.task)]),
+            torch.tensor([[policy.eos_token_id]]), torch.ones(1, 1, dtype=torch.long), cfg.rollout.temperature,
+        )  # fmt: skip
+    # The root keeps its weights gathered after a forward: shard them again before the optimizer
+    # and the reference take the parameters (the shards).
+    for m in policy.model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return counts
+
+
 def gather_rewards(dp: DataParallel, local: RewardResult) -> RewardResult:
     """The whole batch's rewards on every rank, from each rank's rewards of its rows (rank order)."""
     if dp.world_size == 1:
@@ -324,36 +359,9 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
 
     policy = load_policy(cfg.model, seed=tc.seed)
     if dp.sharded:  # rank 0's trainable weights, then sharded
-        import warnings
-
-        from torch.distributed.fsdp import FSDPModule
-
-        # The logits come back as a view (transformers' `logits_to_keep` slice); nothing here
-        # modifies them in place (`vlm.policy.token_logprobs`), which is what FSDP warns about.
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        hint = "Qwen2_5_VLDecoderLayer,Qwen2_5_VLVisionBlock (Qwen3-VL: Qwen3VLTextDecoderLayer,Qwen3VLVisionBlock)"
-        # The root is the transformers model, under peft's wrapper with LoRA (peft's `generate` calls
-        # it directly); the vision tower is a unit of its own (`generate` encodes the images outside
-        # the model's forward).
-        local, full = shard_module(
-            policy.base_model, dp, enable_checkpointing=lambda: checkpoint_layers(policy), hint=hint,
-            units=[policy.base_model.model.visual],
-        )  # fmt: skip
+        local, full = shard_policy(policy, dp, cfg)
         counts = dp.all_gather_rows(torch.tensor([local])).tolist()
         console.print(f"fsdp: model sharded over {dp.world_size} ranks, local parameters {counts} of {full}")
-        # FSDP2 takes the first sharded module to run forward as the root, and `generate` runs the
-        # vision tower before the model: one forward of the whole model (a one-token score) goes first.
-        first = TrainStream(cfg.task, seed=tc.seed).batch(0, 1)
-        with torch.no_grad():
-            response_logprobs(
-                policy, policy.encode([first[0].question], [example_image(first[0], cfg.task)]),
-                torch.tensor([[policy.eos_token_id]]), torch.ones(1, 1, dtype=torch.long), cfg.rollout.temperature,
-            )  # fmt: skip
-        # The root keeps its weights gathered after a forward; shard them again before the
-        # optimizer and the reference take the parameters (the shards).
-        for m in policy.model.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
     params = [p for p in policy.model.parameters() if p.requires_grad]
     if not dp.sharded:
         # Every replica starts from rank 0's weights, as DDP does (the LoRA init follows train.seed already; this also covers a policy loaded otherwise).
@@ -447,13 +455,12 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
             t2 = t3 = time.monotonic()
             stats: dict[str, float] = {}
             if rows:
-                owner_N = torch.tensor([int(np.searchsorted(bounds, r, side="right")) - 1 for r in rows])
-                # FSDP: every rank scores as many rows (the busiest rank's count; repeats, dropped after).
-                scored = batch
-                if dp.sharded:
+                scored, owner_N = batch, None
+                if dp.sharded:  # every rank scores as many rows: the busiest rank's count (repeats, dropped after)
+                    owner_N = torch.tensor([int(np.searchsorted(bounds, r, side="right")) - 1 for r in rows])
                     width = int(torch.bincount(owner_N, minlength=dp.world_size).max())
-                    have = [r - lo for r in local] or [0]
-                    scored = ro.select(have + have[-1:] * (width - len(local)) if local else have * width)
+                    mine_rows = [r - lo for r in local] or [0]  # a rank without rows of the update scores its first
+                    scored = ro.select(mine_rows + mine_rows[-1:] * (width - len(mine_rows)))
                 # 3. Reference log-probs (KL term), then old log-probs (the ratio's denominator).
                 ref_logp_BT = schedule.reference_logprobs(scored, local) if tc.beta > 0 and scored is not None else None
                 t2 = time.monotonic()
@@ -466,7 +473,7 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
                 # 4. Policy update; gradients summed over ranks.
                 shard = UpdateShard(
                     dp, rows.index(local[0]) if local else 0, num_tokens_B[rows],
-                    owner_N=owner_N if dp.sharded else None, spare=ro.select([0]) if dp.sharded else None,
+                    owner_N=owner_N, spare=ro.select([0]) if dp.sharded else None,
                 )  # fmt: skip
                 stats = schedule.update(batch, local, adv_B[local], old_logp_BT, ref_logp_BT, it, shard=shard)
             t4 = time.monotonic()
