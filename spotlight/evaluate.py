@@ -10,6 +10,7 @@ import torch
 from rich.progress import Progress
 
 from spotlight.config import DiTRecipe
+from spotlight.distributed import DataParallel
 from spotlight.policy import DiTPolicy
 from spotlight.rewards import CombinedReward
 from spotlight.rollout import rollout
@@ -22,23 +23,39 @@ def eval_seeds(cfg: DiTRecipe, prompt_index: int) -> list[int]:
 
 
 def evaluate(
-    policy: DiTPolicy, prompts: Sequence[str], reward_fn: CombinedReward, cfg: DiTRecipe, *, progress: bool = True
+    policy: DiTPolicy,
+    prompts: Sequence[str],
+    reward_fn: CombinedReward,
+    cfg: DiTRecipe,
+    *,
+    progress: bool = True,
+    dp: DataParallel | None = None,
 ) -> tuple[dict, torch.Tensor]:
     """Sample `eval.num_seeds` images per prompt with the eval sampler and score them.
+
+    With data parallelism (`dp`; every rank calls this) each rank samples a contiguous slice of the
+    (prompt, seed) samples, under FSDP padded to the same count (every forward is a collective),
+    and the rewards and images are gathered: every rank returns the whole batch's summary. Fewer
+    samples than ranks: every rank samples all of them.
 
     Returns:
         (summary dict, images (B, 3, H, W) of the first seed of each prompt).
     """
     start = time.monotonic()
+    dp = dp if dp is not None and len(prompts) * cfg.eval.num_seeds >= dp.world_size else DataParallel()
     all_prompts = [p for p in prompts for _ in range(cfg.eval.num_seeds)]
     all_seeds = [s for i in range(len(prompts)) for s in eval_seeds(cfg, i)]
+    lo, hi = dp.shard(len(all_prompts))
+    num_pad = dp.num_padding(len(all_prompts))  # repeats of this rank's last sample, dropped
+    my_prompts = all_prompts[lo:hi] + all_prompts[hi - 1 : hi] * num_pad
+    my_seeds = all_seeds[lo:hi] + all_seeds[hi - 1 : hi] * num_pad
     sigmas = qwen_image_sigmas(cfg.sample.eval_num_steps, policy.latent_shape[0])
     totals, components, firsts = [], {}, []
     batch = cfg.eval.batch_size
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("evaluating", total=len(all_prompts))
-        for i in range(0, len(all_prompts), batch):
-            p, s = all_prompts[i : i + batch], all_seeds[i : i + batch]
+        task = bar.add_task("evaluating", total=len(my_prompts))
+        for i in range(0, len(my_prompts), batch):
+            p, s = my_prompts[i : i + batch], my_seeds[i : i + batch]
             ro = rollout(
                 policy, p, s, sigmas,
                 noise_level=cfg.sample.eval_noise_level,
@@ -46,13 +63,17 @@ def evaluate(
                 negative_prompt=cfg.sample.negative_prompt,
                 batch_size=batch,
             )  # fmt: skip
-            result = reward_fn(ro.images, p)
+            keep = min(len(p), hi - lo - i)  # the padding samples are not scored
+            bar.update(task, advance=len(p))
+            if keep <= 0:
+                continue
+            result = reward_fn(ro.images[:keep], p[:keep])
             totals.append(result.total_B)
             for name, scores in result.components.items():
                 components.setdefault(name, []).append(scores)
-            firsts.append(ro.images[[j for j in range(len(p)) if (i + j) % cfg.eval.num_seeds == 0]])
-            bar.update(task, advance=len(p))
-    total = torch.cat(totals)
+            firsts.append(ro.images[[j for j in range(keep) if (lo + i + j) % cfg.eval.num_seeds == 0]])
+    total = dp.all_gather_rows(torch.cat(totals))
+    components = {name: dp.all_gather_rows(torch.cat(parts)) for name, parts in components.items()}
     valid = total[~torch.isnan(total)]
     summary = {
         "mean_reward": float(valid.mean()) if len(valid) else math.nan,
@@ -61,8 +82,7 @@ def evaluate(
         "num_samples": len(total),
         "num_failed": int(torch.isnan(total).sum()),
     }
-    for name, parts in components.items():
-        scores = torch.cat(parts)
+    for name, scores in components.items():
         summary[f"reward/{name}"] = float(scores[~torch.isnan(scores)].mean())
     summary["seconds"] = round(time.monotonic() - start, 2)
-    return summary, torch.cat(firsts)
+    return summary, dp.all_gather_rows(torch.cat(firsts))

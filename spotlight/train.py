@@ -11,10 +11,10 @@ in stale mode the next batch is explored with the current weights while the trai
 Data parallel (`accelerate launch` or `torchrun`, see `distributed.py`): the global batch and its
 seeds are the one-process ones; each rank rolls out a contiguous slice of the P * G samples, the
 rewards are all-gathered before the group advantages, gradients are summed over ranks in the
-update, and only rank 0 writes (metrics, images, checkpoints, cost) and drives the explorers.
-Under FSDP the transformer is sharded (`distributed.shard_transformer`): every rank then runs every
-forward (padded rollouts, evaluation on all ranks), and checkpoints and the weights published to
-the explorers are gathered to rank 0.
+update, each rank samples a slice of the held-out eval, and only rank 0 writes (metrics, images,
+checkpoints, cost) and drives the explorers. Under FSDP the transformer is sharded
+(`distributed.shard_transformer`): every rank then runs every forward (padded rollouts and eval
+slices), and checkpoints and the weights published to the explorers are gathered to rank 0.
 
 Cost: every iteration charges its wall time to the run's ledger (`spot.cost`, `cost.json`): the
 trainer's GPUs at the on-demand price, and the spot GPUs the Ray cluster holds at the spot price.
@@ -268,10 +268,10 @@ def _train(
                 # The first sample of each of the first 16 groups, from whichever rank rolled it out.
                 firsts = dp.all_gather_rows(ro.images[[i - lo for i in range(0, min(P, 16) * G, G) if lo <= i < hi]])
             eval_summary = None
-            if cfg.eval.every and step % cfg.eval.every == 0 and (dp.is_main or dp.sharded):
-                # Held-out reward of θ_{k+1}; its time is outside time/iteration_s. Under FSDP
-                # every rank runs the same forwards (they gather the shards), rank 0 reports.
-                eval_summary, _ = evaluate(policy, eval_prompts, reward_fn, cfg, progress=False)
+            if cfg.eval.every and step % cfg.eval.every == 0:
+                # Held-out reward of θ_{k+1}; its time is outside time/iteration_s. Every rank
+                # samples its slice of the held-out samples, rank 0 reports.
+                eval_summary, _ = evaluate(policy, eval_prompts, reward_fn, cfg, progress=False, dp=dp)
             if dp.is_main:
                 # 7. Publish (rank 0 only): held-out eval, cost, metrics, images.
                 if eval_summary is not None:

@@ -38,7 +38,7 @@ def dp_overrides(model_dir: Path, iterations: int) -> list[str]:
         f"train.num_iterations={iterations}", "train.prompts_per_iteration=3", "train.group_size=4",
         "train.minibatch_size=4", "train.num_threads=1",
         "reward.weights.shapes=0.0", "reward.weights.jpeg_compressibility=1.0",
-        "log.checkpoint_every=2", "log.images_every=2", "eval.num_seeds=1", "data.num_heldout=8",
+        "log.checkpoint_every=2", "log.images_every=2", "eval.every=3", "eval.num_seeds=1", "data.num_heldout=8",
     ]  # fmt: skip
 
 
@@ -77,10 +77,12 @@ def test_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, objective)
     rows_one, rows_two = read_metrics(one), read_metrics(two)
     assert [r["step"] for r in rows_two] == [1, 2, 3]
     assert (two / "images" / "rollout-000002.png").is_file()
+    # The held-out eval was split between the ranks (8 samples: 4 each) and gathered.
+    assert "eval/mean_reward" in rows_one[2] and "eval/mean_reward" in rows_two[2]
     for a, b in zip(rows_one, rows_two):
         assert a["grpo/num_trained_samples"] == b["grpo/num_trained_samples"] == 12
         for key, value in a.items():
-            if not key.startswith(("time/", "cost/")):
+            if not key.startswith(("time/", "cost/")) and key != "eval/seconds":
                 assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
     # The cost ledger charged one on-demand GPU per process (cost.trainer_gpus is 1 in the recipe).
     for run, gpus in ((one, 1), (two, 2)):

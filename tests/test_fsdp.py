@@ -33,7 +33,8 @@ def fsdp_overrides(model_dir: Path, iterations: int) -> list[str]:
     """3 groups of 3: 9 samples, 4 on rank 0 and 5 on rank 1, so rank 0 pads its rollout with one
     sample to run as many forwards as rank 1 (sample.batch_size=1: one chunk per sample, so the
     padding does not change the other samples' numbers). Minibatches of 2 out of 9 samples: many of
-    them hold samples of one rank only, and the other rank runs its zero-weight row.
+    them hold samples of one rank only, and the other rank runs its zero-weight row. The held-out
+    eval (3 prompts x 1 seed) is split 1 and 2, so rank 0 pads its slice too.
     """
     return [
         f"model.path={model_dir}", "model.height=32", "model.width=32",
@@ -41,7 +42,7 @@ def fsdp_overrides(model_dir: Path, iterations: int) -> list[str]:
         f"train.num_iterations={iterations}", "train.prompts_per_iteration=3", "train.group_size=3",
         "train.minibatch_size=2", "train.num_threads=1",
         "reward.weights.shapes=0.0", "reward.weights.jpeg_compressibility=1.0",
-        "log.checkpoint_every=2", "log.images_every=2", "eval.every=3", "eval.num_seeds=1", "data.num_heldout=4",
+        "log.checkpoint_every=2", "log.images_every=2", "eval.every=3", "eval.num_seeds=1", "data.num_heldout=3",
     ]  # fmt: skip
 
 
