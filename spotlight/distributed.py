@@ -116,6 +116,11 @@ class DataParallel:
         lo, hi = self.shard(num_samples)
         return -(-num_samples // self.world_size) - (hi - lo)
 
+    def padded_shard(self, items: list) -> list:
+        """This rank's slice of `items` (`shard`), under FSDP followed by `num_padding` repeats of its last item."""
+        lo, hi = self.shard(len(items))
+        return items[lo:hi] + items[hi - 1 : hi] * self.num_padding(len(items))
+
     def shard(self, num_samples: int) -> tuple[int, int]:
         """[lo, hi) of this rank's contiguous share of num_samples (sizes differ by at most one)."""
         return num_samples * self.rank // self.world_size, num_samples * (self.rank + 1) // self.world_size

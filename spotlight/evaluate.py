@@ -46,9 +46,7 @@ def evaluate(
     all_prompts = [p for p in prompts for _ in range(cfg.eval.num_seeds)]
     all_seeds = [s for i in range(len(prompts)) for s in eval_seeds(cfg, i)]
     lo, hi = dp.shard(len(all_prompts))
-    num_pad = dp.num_padding(len(all_prompts))  # repeats of this rank's last sample, dropped
-    my_prompts = all_prompts[lo:hi] + all_prompts[hi - 1 : hi] * num_pad
-    my_seeds = all_seeds[lo:hi] + all_seeds[hi - 1 : hi] * num_pad
+    my_prompts, my_seeds = dp.padded_shard(all_prompts), dp.padded_shard(all_seeds)  # padding dropped below
     sigmas = qwen_image_sigmas(cfg.sample.eval_num_steps, policy.latent_shape[0])
     totals, components, firsts = [], {}, []
     batch = cfg.eval.batch_size

@@ -100,6 +100,16 @@ def candidate_seeds(run_seed: int, iteration: int, slot: int, num_candidates: in
     return [derive_seed(run_seed, iteration, slot, i) for i in range(num_candidates)]
 
 
+def publishes_before_rollout(mode: str, iteration: int) -> bool:
+    """Whether `Exploration.seeds_for` of `iteration` may publish the current weights (inline mode)."""
+    return mode == "inline" and iteration > 0
+
+
+def publishes_before_update(mode: str, has_next_batch: bool) -> bool:
+    """Whether `Exploration.launch` may publish the current weights (stale mode, a next batch to explore)."""
+    return mode == "stale" and has_next_batch
+
+
 def planner_ids(prompts_P: Sequence[str]) -> list[str]:
     """Distinct planner ids for a batch's prompts: the text, suffixed " #p" where a prompt repeats."""
     seen: set[str] = set()
@@ -448,7 +458,7 @@ class Exploration:
         t0 = time.monotonic()
         self._metrics = {}
         G = self.group_size
-        if self.ecfg.mode == "inline" and iteration > 0:
+        if publishes_before_rollout(self.ecfg.mode, iteration):
             window = self._open_window(iteration, iteration, weights, prompts_P, sde_steps, time_limit=False)
             if window is not None:
                 self._gather(window, timeout_s=None)
@@ -512,7 +522,7 @@ class Exploration:
         # The throughput guess before any explorer reported (module docstring).
         trainer_rate = num_samples / max(rollout_s, 1e-9)
         self._guess_samples_per_s = 0.5 * trainer_rate * self.ecfg.explorer_threads / torch.get_num_threads()
-        if self.ecfg.mode == "stale" and next_batch is not None:
+        if publishes_before_update(self.ecfg.mode, next_batch is not None):
             next_prompts, _, next_steps = next_batch
             self._window = self._open_window(iteration + 1, iteration, weights, next_prompts[::G], next_steps, time_limit=True)
         self._critical_s += time.monotonic() - t0

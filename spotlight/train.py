@@ -43,7 +43,9 @@ from spotlight.distributed import (
     shard_transformer,
 )  # fmt: skip
 from spotlight.evaluate import evaluate
-from spotlight.explore import Exploration, WeightsSource, start_exploration
+from spotlight.explore import (
+    Exploration, WeightsSource, publishes_before_rollout, publishes_before_update, start_exploration,
+)  # fmt: skip
 from spotlight.grpo import group_advantages
 from spotlight.mirror import CheckpointMirror
 from spotlight.policy import load_policy, trainable_state
@@ -203,7 +205,7 @@ def _train(
             # 1. Rollout: G seeded trajectories per prompt with the current weights; with
             #    exploration, a prompt's seeds may be a high-contrast subset of its explored candidates.
             prompts, seeds, sde_steps = plan_iteration(cfg, train_prompts, it)
-            weights = explore_weights(cfg.explore.mode == "inline" and it > 0)  # θ_k, for inline exploration
+            weights = explore_weights(publishes_before_rollout(cfg.explore.mode, it))  # θ_k, for inline exploration
             if exploration is not None:
                 seeds = exploration.seeds_for(it, weights, prompts[::G], seeds, sde_steps)
             if cfg.explore.mode != "none":
@@ -213,7 +215,7 @@ def _train(
             # rollout and the update (all G samples, every minibatch) read them (prompt_cache.py).
             policy.prompt_cache.begin_step(prompts[lo:hi])
             ro = rollout(
-                policy, prompts[lo:hi] + prompts[hi - 1 : hi] * num_pad, seeds[lo:hi] + seeds[hi - 1 : hi] * num_pad,
+                policy, dp.padded_shard(prompts), dp.padded_shard(seeds),
                 sigmas,
                 noise_level=cfg.sample.noise_level,
                 sde_steps=sde_steps,
@@ -233,7 +235,7 @@ def _train(
             t2 = time.monotonic()
             # 4. Stale exploration: publish θ_k, explore the next batch with it during the update.
             nxt = plan_iteration(cfg, train_prompts, it + 1) if it + 1 < cfg.train.num_iterations else None
-            weights = explore_weights(cfg.explore.mode == "stale" and nxt is not None)  # θ_k, before the update
+            weights = explore_weights(publishes_before_update(cfg.explore.mode, nxt is not None))  # θ_k, before the update
             if exploration is not None:
                 exploration.launch(it, weights, reward.total_B, seeds, t2 - t_ro, nxt)
             t_up = time.monotonic()
