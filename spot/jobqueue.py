@@ -10,6 +10,7 @@ job and where each job resumes:
     progress(lease)   after each step: renews the lease, records how far the worker got
     commit(lease, k)  every m steps, and at once on a preemption notice: the queue keeps (k, latent)
     complete(lease)   the final latent; the job is done and its result is delivered once
+    publish(v, w)     weights version v is available as handle w (the driver's, e.g. a Ray ref)
     worker_lost(w)    death detection: w's lease is revoked, its job resumes from the last commit
     expire()          leases whose worker went silent for lease_timeout_s are revoked the same way
 
@@ -18,6 +19,14 @@ moves a job backwards (an older k is ignored); a revoked lease's late messages a
 worker declared lost is fenced (its pulls get STOP). `spot.scheduler` runs it as one
 single-threaded Ray actor, so every call is atomic: a worker killed mid-commit either delivered
 the whole commit or none of it.
+
+Weights versions: a job carries the weights version it must be sampled with, and a worker pulls
+with the version it holds. When nothing of that version is pending for it but a job of another
+version is, and that version's weights were published, `pull` answers a `WeightsUpdate` instead of
+a lease: the worker loads those weights and pulls again. So new policy weights reach the workers
+through the queue, without the driver calling them (a worker that joins later catches up the same
+way), and jobs whose version is not published yet simply wait. The queue keeps the handles of the
+newest version and of every version an unfinished job still needs.
 
 Tail hand-off (pull only; `handoff_steps` = N): when a free worker finds nothing pending, it may
 take over a running job from a slower worker. The queue keeps each worker's time per step (from
@@ -86,6 +95,17 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class WeightsUpdate:
+    """`JobQueue.pull`'s answer to a worker that holds the wrong weights for every job it could take."""
+
+    version: int
+    """The version to load."""
+    weights: Any
+    """Its handle, as published (`spot.scheduler` publishes `[ObjectRef]`: a Ray ref inside a list
+    travels through the queue actor unresolved)."""
+
+
+@dataclass(frozen=True)
 class Result:
     """A finished trajectory, delivered once."""
 
@@ -126,6 +146,8 @@ class QueueStats:
     """Steps workers reported done (useful and lost)."""
     handoffs: int = 0
     """Running jobs moved from a slower worker to a free faster one (tail hand-off)."""
+    weight_updates: int = 0
+    """`WeightsUpdate`s handed to workers."""
 
 
 @dataclass
@@ -191,6 +213,7 @@ class JobQueue:
         self._fenced: set[str] = set()
         self._results: list[Result] = []
         self._closed = False
+        self._weights: dict[int, Any] = {}  # published version -> handle
         self.stats = QueueStats()
 
     # -- driver side --------------------------------------------------------------------------
@@ -205,6 +228,15 @@ class JobQueue:
             self._entries[job.job_id] = _Entry(job, assignee=None if assignees is None else assignees[i])
             self._pending.append(job.job_id)
         self.stats.submitted += len(jobs)
+
+    def publish(self, version: int, weights: Any) -> None:
+        """Weights `version` is available as `weights` (opaque here; handed to workers as is)."""
+        self._weights[version] = weights
+        self._prune_weights()
+
+    def published_versions(self) -> list[int]:
+        """Versions whose handles the queue still keeps."""
+        return sorted(self._weights)
 
     def reassign(self, from_worker: str, to_workers: Sequence[str]) -> list[int]:
         """Re-push the unfinished jobs assigned to `from_worker`, round robin over `to_workers`."""
@@ -249,8 +281,10 @@ class JobQueue:
 
     # -- worker side --------------------------------------------------------------------------
 
-    def pull(self, worker_id: str, version: int = 0) -> Lease | str:
-        """A lease on the first pending job this worker may take, else WAIT or STOP.
+    def pull(self, worker_id: str, version: int = 0) -> Lease | WeightsUpdate | str:
+        """A lease on the first pending job of `version` this worker may take; else a
+        `WeightsUpdate` to the version of the first pending job it may take whose weights were
+        published; else WAIT (or STOP).
 
         A worker runs one job at a time: any lease it still holds is revoked first (it abandoned
         that job), so a job can never be held twice by one worker.
@@ -261,24 +295,33 @@ class JobQueue:
         for ls in [ls for ls in self._leases.values() if ls.worker_id == worker_id]:
             self._end_lease(ls, revoked=True)
         now = self._clock()
+        update = None
         for i, job_id in enumerate(self._pending):
             e = self._entries[job_id]
             reserved = e.reserved_for is not None and e.reserved_for[0] != worker_id and e.reserved_for[1] > now
-            if e.job.version == version and e.assignee in (None, worker_id) and not reserved:
-                del self._pending[i]
-                if e.reserved_for is not None and e.reserved_for[0] == worker_id:
-                    self.stats.handoffs += 1
-                self._forget_handoffs_to(worker_id)  # busy again: it takes over nothing else
-                e.reserved_for = None
-                lease_id = self._next_lease_id
-                self._next_lease_id += 1
-                e.lease = _LeaseState(lease_id, job_id, worker_id, e.step, now + self.lease_timeout_s, reported_at=now)
-                e.num_leases += 1
-                self._leases[lease_id] = e.lease
-                self.stats.leases += 1
-                return Lease(lease_id, e.job, e.step, e.latent_LC)
+            if e.assignee not in (None, worker_id) or reserved:
+                continue
+            if e.job.version != version:
+                if update is None and e.job.version in self._weights:
+                    update = e.job.version
+                continue
+            del self._pending[i]
+            if e.reserved_for is not None and e.reserved_for[0] == worker_id:
+                self.stats.handoffs += 1
+            self._forget_handoffs_to(worker_id)  # busy again: it takes over nothing else
+            e.reserved_for = None
+            lease_id = self._next_lease_id
+            self._next_lease_id += 1
+            e.lease = _LeaseState(lease_id, job_id, worker_id, e.step, now + self.lease_timeout_s, reported_at=now)
+            e.num_leases += 1
+            self._leases[lease_id] = e.lease
+            self.stats.leases += 1
+            return Lease(lease_id, e.job, e.step, e.latent_LC)
+        if update is not None:
+            self.stats.weight_updates += 1
+            return WeightsUpdate(update, self._weights[update])
         if self.handoff_steps:
-            self._ask_for_handoff(worker_id)
+            self._ask_for_handoff(worker_id, version)
         return WAIT
 
     def _forget_handoffs_to(self, worker_id: str) -> None:
@@ -286,8 +329,9 @@ class JobQueue:
             if ls.handoff_to == worker_id:
                 ls.handoff_to = None
 
-    def _ask_for_handoff(self, worker_id: str) -> None:
-        """Mark the running job that `worker_id` (free) would finish soonest relative to its holder."""
+    def _ask_for_handoff(self, worker_id: str, version: int) -> None:
+        """Mark the running job of `version` that `worker_id` (free, holding those weights) would
+        finish soonest relative to its holder."""
         mine = self._step_s.get(worker_id)
         if mine is None or any(ls.handoff_to == worker_id for ls in self._leases.values()):
             return
@@ -296,6 +340,8 @@ class JobQueue:
             theirs = self._step_s.get(ls.worker_id)
             if ls.handoff_to is not None or theirs is None or ls.worker_id == worker_id:
                 continue
+            if self._entries[ls.job_id].job.version != version:
+                continue  # it would have to load other weights first
             # The holder finishes its step in flight, commits it and hands over; both then need the rest.
             left = self.handoff_steps - ls.progress - 1
             gain = left * (theirs - mine)
@@ -352,9 +398,19 @@ class JobQueue:
         e.latent_LC = None  # the result holds it now
         self._results.append(Result(e.job.job_id, latent_LC, ls.worker_id, e.num_leases))
         self.stats.done += 1
+        self._prune_weights()
         return ACCEPTED
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _prune_weights(self) -> None:
+        """Drop the handles no unfinished job needs, except the newest version's."""
+        if len(self._weights) < 2:
+            return
+        needed = {e.job.version for e in self._entries.values() if not e.done}
+        newest = max(self._weights)
+        for v in [v for v in self._weights if v != newest and v not in needed]:
+            del self._weights[v]
 
     def _live(self, lease_id: int) -> _LeaseState | None:
         ls = self._leases.get(lease_id)

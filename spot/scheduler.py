@@ -15,7 +15,9 @@ The Ray edge around the pure `JobQueue` (leases, idempotent commits, exactly-onc
                       steps and at once on a preemption notice (its metadata watcher, or `notify`),
                       then hands the job back and stops pulling; reports the final latent
     WorkerPool        starts a worker on every spot node that joins, and reports deaths
-    PullScheduler     the driver loop: membership, death detection, results
+    PullScheduler     the driver loop: membership, death detection, results, and `publish` of
+                      new policy weights (put in the object store once; a worker pulls them through
+                      the queue when it next needs a job of that version, see `JobQueue`)
 
 Death detection (issue 4 item 2(b)): the pool sees a worker's `run` call fail (`RayActorError`:
 `ActorDiedError`, `ActorUnavailableError`), or its node leave `ray.nodes()`, and tells the queue,
@@ -48,7 +50,7 @@ from typing import Any
 
 import torch
 
-from spot.jobqueue import ACCEPTED, HANDOFF, STALE, STOP, WAIT, Job, JobQueue, Lease, QueueStats, Result
+from spot.jobqueue import ACCEPTED, HANDOFF, STALE, STOP, WAIT, Job, JobQueue, Lease, QueueStats, Result, WeightsUpdate
 from spot.localray import SPOT, kill_actor
 
 logger = logging.getLogger(__name__)
@@ -124,6 +126,8 @@ class WorkerReport:
     """Jobs dropped because the queue had revoked the lease."""
     handed_off: int = 0
     """Jobs committed and handed to a faster free worker (tail hand-off)."""
+    weight_loads: int = 0
+    """Weights versions it loaded (`WeightsUpdate`s)."""
     left: bool = False
     """It stopped because of a preemption notice (its node is going away)."""
     busy_s: float = 0.0
@@ -140,7 +144,8 @@ class DenoiseWorker:
         worker_id: name the queue knows it by.
         model: `spotlight.config.ModelConfig` of the policy.
         spec: how trajectories are sampled.
-        version: weights version it holds (it pulls only jobs of that version).
+        version: weights version it holds at start (the model's own weights); it pulls jobs of
+            the version it holds and loads another when the queue answers a `WeightsUpdate`.
         commit_every: m; commit the latent after every m-th step.
         step_s: minimum wall time of one step; the remainder is slept. It emulates a slower
             accelerator, for heterogeneous pools, without changing the bits (thread counts would).
@@ -212,12 +217,23 @@ class DenoiseWorker:
             if lease == WAIT:
                 self._notice.wait(self.poll_s)
                 continue
+            if isinstance(lease, WeightsUpdate):
+                self.load_weights(lease.version, ray.get(lease.weights[0]))
+                report.weight_loads += 1
+                continue
             assert isinstance(lease, Lease), lease
             t0 = time.monotonic()
             self._run_job(queue, lease, report)
             report.busy_s += time.monotonic() - t0
         report.left = True
         return report
+
+    def load_weights(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Hold weights `version`: the post-trained part of the policy (`trainable_state`'s keys)."""
+        from spotlight.policy import load_trainable_state
+
+        load_trainable_state(self.policy, state)
+        self.version = version
 
     def _run_job(self, queue, lease: Lease, report: WorkerReport) -> None:
         import ray
@@ -500,6 +516,17 @@ class PullScheduler:
         self.num_jobs = 0
         self._t0: float | None = None
         self._t_last: float | None = None
+        self._published: dict[int, Any] = {}  # version -> ObjectRef the queue may still hand out
+
+    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Make weights `version` (`spotlight.policy.trainable_state` of the trained policy)
+        available to the workers. It goes into the object store once; each worker fetches it when
+        it next needs a job of that version. Jobs of a version not published yet wait for it."""
+        ref = self._ray.put(state)
+        self._published[version] = ref  # this process owns the object: keep it while the queue may hand it out
+        self._ray.get(self.queue.publish.remote(version, [ref]))  # in a list: Ray passes it on unresolved
+        kept = set(self._ray.get(self.queue.published_versions.remote()))
+        self._published = {v: r for v, r in self._published.items() if v in kept}
 
     def submit(self, jobs: Sequence[Job]) -> None:
         self._ray.get(self.queue.submit.remote(list(jobs)))

@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from spot.jobqueue import ACCEPTED, HANDOFF, IGNORED, STALE, STOP, WAIT, Job, JobQueue
+from spot.jobqueue import ACCEPTED, HANDOFF, IGNORED, STALE, STOP, WAIT, Job, JobQueue, WeightsUpdate
 from spot.replay import busiest_window, window
 from spot.scheduler import (
     DenoiseSpec,
@@ -222,6 +222,56 @@ def test_push_assignment_and_repush():
     assert resumed.job.job_id == 0 and resumed.step == 3
     with pytest.raises(ValueError, match="already submitted"):
         q.submit(make_jobs(1))
+
+
+def test_jobs_of_a_new_version_wait_for_its_weights_then_workers_update_through_the_queue():
+    q = JobQueue(handoff_steps=8)
+    q.submit([Job(0, "a red circle", seed=1, version=0)])
+    q.submit([Job(1, "a red circle", seed=2, version=1), Job(2, "a red circle", seed=3, version=1)])
+    first = q.pull("a", 0)
+    assert first.job.job_id == 0  # its own version first
+    assert q.pull("b", 0) == WAIT  # version 1 is not published yet: its jobs wait
+    q.publish(1, ["w1"])
+    update = q.pull("b", 0)
+    assert update == WeightsUpdate(1, ["w1"])
+    assert q.pull("b", 1).job.job_id == 1
+    q.complete(first.lease_id, 8, latent(8))
+    assert q.published_versions() == [1]
+    assert q.pull("a", 0) == WeightsUpdate(1, ["w1"])  # the version-0 worker catches up the same way
+    assert q.pull("a", 1).job.job_id == 2
+    assert q.stats.weight_updates == 2
+
+
+def test_a_worker_goes_back_to_an_older_version_when_only_its_jobs_are_left():
+    q = JobQueue()
+    q.submit([Job(0, "a red circle", seed=1, version=0)])
+    q.publish(0, ["w0"])
+    q.publish(1, ["w1"])
+    assert q.published_versions() == [0, 1]  # job 0 still needs version 0
+    assert q.pull("a", 1) == WeightsUpdate(0, ["w0"])  # otherwise job 0 would wait forever
+    ls = q.pull("a", 0)
+    q.complete(ls.lease_id, 8, latent(8))
+    assert q.published_versions() == [1]  # the newest stays for workers that join later
+
+
+def test_no_hand_off_to_a_worker_holding_other_weights():
+    clock = FakeClock()
+    q = JobQueue(clock=clock, handoff_steps=8, handoff_margin=1.0)
+    q.submit([Job(0, "a", seed=0, version=1), Job(1, "a", seed=1, version=1), Job(2, "a", seed=2, version=0)])
+    q.publish(1, ["w1"])
+    slow, fast = q.pull("slow", 1), q.pull("fast", 0)
+    assert fast.job.job_id == 2
+    for k in range(1, 3):  # fast does 1 s per step, slow 4 s
+        clock.now = 4.0 * k
+        q.progress(slow.lease_id, k)
+        q.progress(fast.lease_id, 2 * k)
+    q.complete(fast.lease_id, 8, latent(8))
+    other = q.pull("other", 1)
+    assert other.job.job_id == 1
+    assert q.pull("fast", 0) == WAIT  # nothing of version 0 left and no version-0 lease to take over
+    assert q.progress(slow.lease_id, 3) == ACCEPTED
+    assert q.pull("fast", 1) == WAIT  # with version 1 it may ask for the slow job
+    assert q.progress(slow.lease_id, 4) == HANDOFF
 
 
 # -- resuming a trajectory, without Ray -----------------------------------------------------------
@@ -537,6 +587,46 @@ def test_a_node_removed_without_notice_loses_at_most_the_commit_interval(cluster
     s = report.stats
     assert s.revoked == 1 and 1 <= s.recomputed_steps <= COMMIT_EVERY
     assert next(r for r in report.results if r.job_id == job_id).num_leases == 2
+
+
+def test_published_weights_reach_the_workers_through_the_queue(cluster, pool, model_cfg, reference):
+    """New policy weights: the version-1 jobs wait until `publish`, then every worker (one that
+    joined meanwhile too) loads them through the queue and samples with them. The pool's last test:
+    its workers keep version 1 afterwards."""
+    import ray
+
+    from spotlight.policy import load_policy, load_trainable_state, trainable_state
+
+    sched = PullScheduler(ready_pool(pool, 1))
+    trained = load_policy(model_cfg, trainable=False)
+    g = torch.Generator().manual_seed(0)
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in trainable_state(trained).items()}
+    load_trainable_state(trained, state)
+    jobs = [Job(j.job_id, j.prompt, j.seed, version=1) for j in make_jobs(6, first_id=700)]
+    sched.submit(jobs)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        sched.tick()
+        time.sleep(0.05)
+    assert ray.get(sched.queue.snapshot.remote())["stats"].leases == 0  # no weights yet: nothing runs
+    cluster.add_node("fast-late")  # its worker starts with the model's own weights, version 0
+    pool.wait_ready(2, timeout_s=120)
+    sched.publish(1, state)
+    report = sched.run(timeout_s=60)
+    sched.close()
+
+    def with_new_weights(job: Job) -> torch.Tensor:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return sample_uninterrupted(trained, job, SPEC)
+        finally:
+            torch.set_num_threads(threads)
+
+    check_exactly_once(report, jobs, with_new_weights)
+    assert report.stats.weight_updates == 2  # each of the two workers once
+    for job in jobs[:2]:
+        assert not torch.equal(reference(job), with_new_weights(job))  # the update changed the bits
 
 
 def test_the_replayer_adds_warns_and_preempts_on_the_trace_clock(cluster):
