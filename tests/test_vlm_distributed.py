@@ -36,7 +36,7 @@ def base(tmp_path_factory):
     """A tiny warm-started Qwen2.5-VL that answers in the format, so groups get reward variance."""
     from vlm.warmstart import warm_start
 
-    cfg = load_config(WarmStartRecipe, None, ["num_steps=25", "batch_size=16", "lr=1e-2", *[f"task.{k}={v}" for k, v in TASK.items()], *[f"model.{k}={v}" for k, v in SPEC.items()]])
+    cfg = load_config(WarmStartRecipe, None, ["num_steps=25", "vision_pretrain_steps=20", "batch_size=16", "lr=1e-2", *[f"task.{k}={v}" for k, v in TASK.items()], *[f"model.{k}={v}" for k, v in SPEC.items()]])
     out = tmp_path_factory.mktemp("vlm-dp") / "base"
     warm_start(cfg, out, progress=False)
     return out

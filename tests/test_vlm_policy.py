@@ -9,7 +9,7 @@ import torch
 
 from vlm.config import ModelConfig, TaskConfig, TinyVLMConfig
 from vlm.policy import VLMPolicy, load_policy, mask_banned, response_logprobs
-from vlm.rollout import BanTokens, GumbelNoise, HFRolloutEngine, response_mask
+from vlm.rollout import BanTokens, GumbelNoise, HFRolloutEngine, generation_positions, response_mask
 from vlm.task import CELL_PX, corpus, example_image, make_example
 from vlm.tiny import build_tiny_vlm
 
@@ -61,6 +61,30 @@ def test_sampling_is_seeded_and_independent_of_batching(folder):
     # The G samples of one prompt differ from each other (a random model is far from greedy).
     assert len({tuple(r) for r in a.response_ids_BT[:4].tolist()}) > 1
     assert not set(a.response_ids_BT[a.response_mask_BT.bool()].tolist()) & set(policy.banned_token_ids)
+
+
+def test_positions_computed_once_per_prompt_are_the_ones_generate_derives(folder):
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from spotlight.sampling import derive_seed
+
+    policy = VLMPolicy.load(folder)
+    batch = _prompts(policy)
+    ours = generation_positions(policy, batch)
+    theirs = policy.model._prepare_position_ids_for_generation(batch.input_ids_BL, batch.model_inputs())
+    assert ours.shape[0] == 4 and torch.equal(ours, theirs)
+    # End to end: the engine (positions per prompt, indexed per row) samples what a plain
+    # `generate` over the repeated rows samples when it derives positions itself.
+    G = 3
+    got = HFRolloutEngine(policy).generate(batch, G, 5, 1.0, seed=3)
+    rows = batch.select([r // G for r in range(batch.num_rows * G)])
+    processors = LogitsProcessorList([BanTokens(policy.banned_token_ids), GumbelNoise([derive_seed(3, r // G, r % G) for r in range(rows.num_rows)], 1.0)])
+    config = GenerationConfig(do_sample=False, max_new_tokens=5, eos_token_id=policy.eos_token_id, pad_token_id=policy.pad_token_id)
+    out = policy.model.generate(**rows.model_inputs(), generation_config=config, logits_processor=processors)
+    plain = out[:, rows.input_ids_BL.shape[1] :]
+    mask = response_mask(plain, policy.eos_token_id)
+    plain = torch.where(mask.bool(), plain, torch.full_like(plain, policy.pad_token_id))
+    assert torch.equal(got.response_ids_BT[:, : plain.shape[1]], plain)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

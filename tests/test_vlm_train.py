@@ -26,7 +26,7 @@ SPEC = dict(text_hidden=32, text_layers=1, text_heads=2, vision_hidden=32, visio
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A tiny warm-started base: it answers in the format, so GRPO groups get reward variance."""
-    cfg = load_config(WarmStartRecipe, None, ["num_steps=25", "batch_size=16", "lr=1e-2", *[f"task.{k}={v}" for k, v in TASK.items()], *[f"model.{k}={v}" for k, v in SPEC.items()]])
+    cfg = load_config(WarmStartRecipe, None, ["num_steps=25", "vision_pretrain_steps=20", "batch_size=16", "lr=1e-2", *[f"task.{k}={v}" for k, v in TASK.items()], *[f"model.{k}={v}" for k, v in SPEC.items()]])
     out = tmp_path_factory.mktemp("vlm") / "base"
     summary = warm_start(cfg, out, progress=False)
     assert summary["heldout_format_rate"] > 0.5, summary
@@ -49,7 +49,9 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_recipes_equal_the_defaults():
     tiny = load_config(VLMRecipe, REPO / "configs/vlm/tiny-count.yaml")
     assert tiny.train.refill_prompts == 16  # the recipe turns dynamic sampling on; the field's default is off
+    assert not tiny.model.train_vision  # and keeps the warm start's pretrained tower frozen
     tiny.train.refill_prompts = 0
+    tiny.model.train_vision = True
     assert tiny == VLMRecipe()
     assert load_config(WarmStartRecipe, REPO / "configs/vlm/tiny-warmstart.yaml") == WarmStartRecipe()
     with pytest.raises(ValueError, match="did you mean 'train.beta'"):
@@ -102,7 +104,7 @@ def test_warm_start_then_cli_eval_prints_heldout_accuracy(tmp_path):
     base = tmp_path / "base"
     # `python -m vlm.cli` is the real entry point; the summary is one JSON line.
     out = subprocess.run(
-        [sys.executable, "-m", "vlm.cli", "warmstart", "num_steps=3", "batch_size=4", *task, *sizes, "--out", str(base), "--quiet"],
+        [sys.executable, "-m", "vlm.cli", "warmstart", "num_steps=3", "vision_pretrain_steps=2", "batch_size=4", *task, *sizes, "--out", str(base), "--quiet"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -120,6 +122,40 @@ def test_warm_start_then_cli_eval_prints_heldout_accuracy(tmp_path):
     assert result["step"] == 1 and result["num_examples"] == TASK["num_heldout"] and 0 <= result["accuracy"] <= 1
     bad = subprocess.run([sys.executable, "-m", "vlm.cli", "eval", f"model.path={tmp_path / 'missing'}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "model.path" in bad.stderr and "missing" in bad.stderr
+
+
+def test_vision_pretraining_learns_the_cells_and_the_supervised_run_keeps_the_tower(tmp_path):
+    from vlm.policy import VLMPolicy
+    from vlm.task import CELL_PX, corpus
+    from vlm.tiny import build_tiny_vlm
+    from vlm.warmstart import pretrain_vision
+
+    cfg = load_config(WarmStartRecipe, None, ["num_steps=3", "vision_pretrain_steps=60", "batch_size=16", "lr=1e-2", *[f"task.{k}={v}" for k, v in TASK.items()], *[f"model.{k}={v}" for k, v in SPEC.items()]])
+    build_tiny_vlm(tmp_path / "alone", cfg.model, corpus(cfg.task), image_px=cfg.task.grid_size * CELL_PX)
+    policy = VLMPolicy.load(tmp_path / "alone")
+    losses = pretrain_vision(policy, cfg)
+    assert sum(losses[-5:]) / 5 < 0.5 * losses[0], losses  # the cells' colour and kind are being learnt
+    pretrained = {k: v.clone() for k, v in policy.base_model.model.visual.state_dict().items()}
+
+    summary = warm_start(cfg, tmp_path / "base", progress=False)
+    saved = VLMPolicy.load(tmp_path / "base").base_model.model.visual.state_dict()
+    assert summary["vision_pretrain_steps"] == 60 and summary["vision_loss_last"] < losses[0]
+    # The same pretraining (same seeds), then frozen through the supervised steps.
+    assert all(torch.equal(saved[k], v) for k, v in pretrained.items())
+
+
+def test_vision_pretraining_needs_one_token_per_cell(tmp_path):
+    from vlm.policy import VLMPolicy
+    from vlm.task import CELL_PX, corpus
+    from vlm.tiny import build_tiny_vlm
+    from vlm.warmstart import pretrain_vision
+
+    cfg = load_config(WarmStartRecipe, None, ["vision_pretrain_steps=1", *[f"task.{k}={v}" for k, v in TASK.items()], *[f"model.{k}={v}" for k, v in SPEC.items()]])
+    build_tiny_vlm(tmp_path / "m", cfg.model, corpus(cfg.task), image_px=cfg.task.grid_size * CELL_PX)
+    policy = VLMPolicy.load(tmp_path / "m")
+    cfg.task.grid_size = 3  # images of 3 x 3 cells, but the processor was built for 2 x 2 (56 px)
+    with pytest.raises(ValueError, match="one merged token per grid cell"):
+        pretrain_vision(policy, cfg)
 
 
 def test_skipping_the_old_pass_on_policy_changes_nothing(base):

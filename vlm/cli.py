@@ -94,7 +94,7 @@ def add_subcommands(subparsers) -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    p = command("warmstart", "Build the tiny VLM and teach it the answer format (supervised, short).", cmd_warmstart)
+    p = command("warmstart", "Build the tiny VLM, pretrain its vision tower, and teach it the answer format (supervised, short).", cmd_warmstart)
     p.add_argument("--out", help="output model folder (default: runs/vlm-tiny-base)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

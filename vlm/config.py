@@ -75,8 +75,15 @@ class WarmStartRecipe:
     """Model sizes."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """The task (its held-out split is never trained on)."""
+    vision_pretrain_steps: int = 300
+    """Steps of the vision tower's own pretraining, before the supervised run: it learns to name each
+    grid cell's colour and kind through a linear head that is then dropped (`vlm.warmstart`). A
+    stand-in for the pretrained vision encoder a real VLM ships with; 0 skips it."""
+    freeze_vision: bool = True
+    """Keep the vision tower (and its merger) fixed during the supervised run, as a pretrained
+    encoder is; the language model learns to use its features."""
     num_steps: int = 400
-    """Optimizer steps (short on purpose: the base answers in the format but is often wrong; 1500 reach ~0.70 held-out)."""
+    """Supervised optimizer steps (short on purpose: the base answers in the format but is often wrong)."""
     batch_size: int = 32
     """Examples per step."""
     lr: float = 1e-3

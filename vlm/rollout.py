@@ -114,6 +114,23 @@ def response_mask(response_ids_BT: torch.Tensor, eos_token_id: int) -> torch.Ten
     return (ended_before == 0).long()
 
 
+def generation_positions(policy: VLMPolicy, prompts: PromptBatch) -> torch.Tensor:
+    """(4, P, L) the position ids transformers' `generate` derives for Qwen-VL prompts: the text
+    positions (attention-mask cumsum), then the three multimodal rope axes (`get_rope_index`).
+
+    `generate` would compute them for every row, i.e. G times per prompt, in a Python loop over rows
+    that took a third of the tiny recipe's rollout time; computed here once per prompt and indexed
+    per row, with the same values.
+    """
+    mask_PL = prompts.attention_mask_BL
+    text_PL = (mask_PL.long().cumsum(-1) - 1).masked_fill(mask_PL == 0, 0)
+    rope_3PL, _ = policy.base_model.model.get_rope_index(
+        prompts.input_ids_BL, mm_token_type_ids=prompts.mm_token_type_ids_BL,
+        image_grid_thw=prompts.image_grid_thw_B3, attention_mask=mask_PL,
+    )  # fmt: skip
+    return torch.cat([text_PL[None].to(rope_3PL.device), rope_3PL], dim=0)
+
+
 class HFRolloutEngine:
     """Rollouts with transformers' `generate` (KV cache, one call per `batch_size` sequences).
 
@@ -149,11 +166,14 @@ class HFRolloutEngine:
         rows = range(batch.num_rows * G) if rows is None else rows
         assert len(prompts_of(rows, G)) == batch.num_rows, (rows, batch.num_rows)
         row_seeds = [derive_seed(seed, r // G, r % G) for r in rows]
-        prompt_rows = batch.select([r // G - rows.start // G for r in rows])  # each prompt once per sample
+        prompt_of_row = [r // G - rows.start // G for r in rows]
+        prompt_rows = batch.select(prompt_of_row)  # each prompt once per sample
         num_rows = prompt_rows.num_rows
         if pad:  # repeats of the last row, sampled then dropped: as many generate calls as the other ranks
             row_seeds += row_seeds[-1:] * pad
+            prompt_of_row += prompt_of_row[-1:] * pad
             prompt_rows = prompt_rows.select(list(range(num_rows)) + [num_rows - 1] * pad)
+        positions_4BL = generation_positions(policy, batch)[:, prompt_of_row]
         config = GenerationConfig(
             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=policy.eos_token_id, pad_token_id=policy.pad_token_id
         )
@@ -165,8 +185,9 @@ class HFRolloutEngine:
             if temperature > 0:
                 processors.append(GumbelNoise(row_seeds[idx[0] : idx[-1] + 1], temperature))
             out = policy.model.generate(
-                **part.model_inputs(), generation_config=config, logits_processor=processors, synced_gpus=self.synced_gpus
-            )
+                **part.model_inputs(), position_ids=positions_4BL[:, idx].to(policy.device), generation_config=config,
+                logits_processor=processors, synced_gpus=self.synced_gpus,
+            )  # fmt: skip
             chunks.append(out[:, part.input_ids_BL.shape[1] :].cpu())
         width = max(c.shape[1] for c in chunks)
         response_ids_BT = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=policy.pad_token_id) for c in chunks])

@@ -145,6 +145,13 @@ def example_image(example: Example, cfg: TaskConfig) -> Image.Image:
     return render(example.cells, cfg.grid_size, example.seed)
 
 
+def cell_labels(example: Example, cfg: TaskConfig) -> list[int]:
+    """Class of each grid cell, row-major: 0 empty, else 1 + colour index x len(KINDS) + kind index
+    (the vision tower's pretraining targets, `vlm.warmstart.pretrain_vision`)."""
+    colors = list(cfg.colors)
+    return [0 if c is None else 1 + colors.index(c[0]) * len(KINDS) + KINDS.index(c[1]) for c in example.cells]
+
+
 def heldout_examples(cfg: TaskConfig) -> list[Example]:
     """The held-out split: `cfg.num_heldout` examples, the same for every run with this split_seed."""
     return [make_example(derive_seed(cfg.split_seed, 1, i), cfg) for i in range(cfg.num_heldout)]
