@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -214,6 +214,7 @@ class JobQueue:
         self._results: list[Result] = []
         self._closed = False
         self._weights: dict[int, Any] = {}  # published version -> handle
+        self._unfinished: Counter[int] = Counter()  # version -> jobs of it without a result
         self.stats = QueueStats()
 
     # -- driver side --------------------------------------------------------------------------
@@ -227,6 +228,7 @@ class JobQueue:
                 raise ValueError(f"job id {job.job_id} was already submitted")
             self._entries[job.job_id] = _Entry(job, assignee=None if assignees is None else assignees[i])
             self._pending.append(job.job_id)
+            self._unfinished[job.version] += 1
         self.stats.submitted += len(jobs)
 
     def publish(self, version: int, weights: Any) -> None:
@@ -398,6 +400,7 @@ class JobQueue:
         e.latent_LC = None  # the result holds it now
         self._results.append(Result(e.job.job_id, latent_LC, ls.worker_id, e.num_leases))
         self.stats.done += 1
+        self._unfinished[e.job.version] -= 1
         self._prune_weights()
         return ACCEPTED
 
@@ -405,11 +408,8 @@ class JobQueue:
 
     def _prune_weights(self) -> None:
         """Drop the handles no unfinished job needs, except the newest version's."""
-        if len(self._weights) < 2:
-            return
-        needed = {e.job.version for e in self._entries.values() if not e.done}
-        newest = max(self._weights)
-        for v in [v for v in self._weights if v != newest and v not in needed]:
+        newest = max(self._weights, default=None)
+        for v in [v for v in self._weights if v != newest and self._unfinished[v] == 0]:
             del self._weights[v]
 
     def _live(self, lease_id: int) -> _LeaseState | None:
