@@ -47,8 +47,8 @@ def read_prompt_file(path: str | Path, *, check: Callable[[str], object] | None 
 
 
 def prompt_check(reward_names) -> Callable[[str], object] | None:
-    """The check prompts must pass for these rewards: the shapes grammar when `shapes` scores them."""
-    return shapes.parse_prompt if "shapes" in reward_names else None
+    """The check prompts must pass for these rewards: the shapes grammar when `shapes` (or one of its diagnostics) scores them."""
+    return shapes.parse_prompt if set(reward_names) & set(shapes.GRAMMAR_REWARDS) else None
 
 
 def train_and_eval_prompts(data: DataConfig, reward_names) -> tuple[list[str], list[str]]:

@@ -478,3 +478,30 @@ def test_clip_missing_path(tmp_path):
     assert missing in str(error.value) and "reward.clip_model_path" in str(error.value)
     with pytest.raises(ValueError, match="reward.clip_model_path"):
         build_reward({"clip_score": 1.0})
+
+
+def test_breakdown_parts_of_known_images_and_as_zero_weight_rewards():
+    truth = ["two red circles and one blue square", "three yellow triangles"]
+    rendered = _render(truth, seed=3)
+    parts = S.breakdown_images(rendered.permute(0, 2, 3, 1).numpy(), truth)
+    assert set(parts) == set(S.BREAKDOWN)
+    for part, want in {"present": 1.0, "count": 1.0, "shape": 1.0, "extra_blobs": 0.0}.items():
+        np.testing.assert_array_equal(parts[part], [want, want], err_msg=part)
+    # The same images against other prompts: the render of two red circles and one blue square is
+    # scored for one red circle (count off, shape right) and two green squares (absent), and
+    # shows blue blobs the prompt does not name; three yellow triangles are drawn for two.
+    other = ["one red circle and two green squares", "two yellow triangles"]
+    parts = S.breakdown_images(rendered.permute(0, 2, 3, 1).numpy(), other)
+    np.testing.assert_array_equal(parts["present"], [0.5, 1.0])
+    np.testing.assert_array_equal(parts["count"], [0.0, 0.0])
+    np.testing.assert_array_equal(parts["shape"], [0.5, 1.0])
+    np.testing.assert_array_equal(parts["extra_blobs"], [1.0, 0.0])
+    blank = S.breakdown_images(np.ones((1, 64, 64, 3), dtype=np.float32), truth[:1])
+    assert {k: float(v[0]) for k, v in blank.items()} == {"present": 0.0, "count": 0.0, "shape": 0.0, "extra_blobs": 0.0, "unclear": 0.0}
+
+    # Registered as rewards: weight 0 logs a part without changing the total.
+    reward = build_reward({"shapes": 1.0, "shapes_count": 0.0, "shapes_extra_blobs": 0.0})
+    result = reward(rendered, other)
+    torch.testing.assert_close(result.total_B, result.components["shapes"])
+    torch.testing.assert_close(result.components["shapes_count"], torch.zeros(2))
+    torch.testing.assert_close(result.components["shapes_extra_blobs"], torch.tensor([1.0, 0.0]))

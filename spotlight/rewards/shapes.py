@@ -29,6 +29,13 @@ Scoring (`score_images`, registered as reward `shapes`), per image:
    / (1 + `EXTRA_BLOB_PENALTY` * number of blobs of colours the prompt does not name).
 
 So the score is in [0, 1]; a ground-truth render scores 1 and a blank image 0.
+
+Diagnostics (`breakdown_images`): the parts a model gets right, each also registered as a reward
+`shapes_present`, `shapes_count`, `shapes_shape`, `shapes_extra_blobs`, `shapes_unclear`. With
+weight 0 they change nothing and are logged beside the score (`reward/shapes_count`, ...):
+
+    spotlight eval configs/dit/tiny-shapes.yaml --checkpoint RUN --json \
+        "reward.weights={shapes: 1.0, shapes_present: 0, shapes_count: 0, shapes_shape: 0, shapes_extra_blobs: 0}"
 """
 
 from __future__ import annotations
@@ -423,21 +430,68 @@ def analyze_images(images_BHW3: np.ndarray) -> list[ImageAnalysis]:
     return [ImageAnalysis(b, float(u)) for b, u in zip(blobs, unclear_B, strict=True)]
 
 
+def _clause_blobs(clause: Clause, analysis: ImageAnalysis) -> list[Blob]:
+    """The blobs of a clause's colour (prompts name each colour once, so they are the clause's)."""
+    return [b for b in analysis.blobs if b.color == clause.color]
+
+
+def _extra_blobs(clauses: list[Clause], analysis: ImageAnalysis) -> int:
+    """Blobs of colours the prompt does not name."""
+    requested = {c.color for c in clauses}
+    return sum(b.color not in requested for b in analysis.blobs)
+
+
 def score_analysis(clauses: list[Clause], analysis: ImageAnalysis) -> float:
     """The reward of one analysed image for a parsed prompt (see the module docstring)."""
     credits = []
     for clause in clauses:
-        mine = [b for b in analysis.blobs if b.color == clause.color]
+        mine = _clause_blobs(clause, analysis)
         n = len(mine)
         if n == 0:
             credits.append(0.0)
             continue
         shape_ok = sum(b.shape == clause.shape for b in mine) / n
         credits.append(0.2 + 0.4 / (1 + abs(n - clause.count)) + 0.4 * shape_ok)
-    requested = {c.color for c in clauses}
-    num_extra = sum(b.color not in requested for b in analysis.blobs)
     clarity = 1 - UNCLEAR_PENALTY * analysis.unclear_fraction
-    return float(np.mean(credits)) * clarity / (1 + EXTRA_BLOB_PENALTY * num_extra)
+    return float(np.mean(credits)) * clarity / (1 + EXTRA_BLOB_PENALTY * _extra_blobs(clauses, analysis))
+
+
+BREAKDOWN = ("present", "count", "shape", "extra_blobs", "unclear")
+"""The parts of the score `breakdown_analysis` measures (each also a reward `shapes_<part>`)."""
+GRAMMAR_REWARDS = ("shapes", *(f"shapes_{part}" for part in BREAKDOWN))
+"""The registered rewards that score prompts of this grammar (and fail on any other)."""
+
+
+def breakdown_analysis(clauses: list[Clause], analysis: ImageAnalysis) -> dict[str, float]:
+    """What one image gets right, part by part, to see which part of the score a model moves:
+
+    present: fraction of the clauses whose colour appears; count: fraction drawn with exactly
+    their count; shape: mean over clauses of the fraction of their blobs that have their shape (0
+    if absent; the score's shape term); extra_blobs: blobs of colours the prompt does not name;
+    unclear: fraction of unclear pixels.
+    """
+    present, count, shape = [], [], []
+    for clause in clauses:
+        mine = _clause_blobs(clause, analysis)
+        present.append(bool(mine))
+        count.append(len(mine) == clause.count)
+        shape.append(sum(b.shape == clause.shape for b in mine) / len(mine) if mine else 0.0)
+    return {
+        "present": float(np.mean(present)),
+        "count": float(np.mean(count)),
+        "shape": float(np.mean(shape)),
+        "extra_blobs": float(_extra_blobs(clauses, analysis)),
+        "unclear": analysis.unclear_fraction,
+    }
+
+
+def breakdown_images(images_BHW3: np.ndarray, prompts: list[str]) -> dict[str, np.ndarray]:
+    """`breakdown_analysis` of a batch: each part as a (B,) float32 array."""
+    parsed = [parse_prompt(p) for p in prompts]
+    if len(parsed) != len(images_BHW3):
+        raise ValueError(f"got {len(images_BHW3)} images but {len(prompts)} prompts")
+    rows = [breakdown_analysis(c, a) for c, a in zip(parsed, analyze_images(images_BHW3), strict=True)]
+    return {part: np.array([r[part] for r in rows], dtype=np.float32) for part in BREAKDOWN}
 
 
 def score_images(images_BHW3: np.ndarray, prompts: list[str]) -> np.ndarray:
@@ -469,3 +523,20 @@ def make_shapes_reward():
         return torch.from_numpy(score_images(images_BHW3, prompts))
 
     return shapes_reward
+
+
+def _register_breakdown(part: str) -> None:
+    def make():
+        def reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+            images_BHW3 = images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
+            return torch.from_numpy(breakdown_images(images_BHW3, prompts)[part])
+
+        return reward
+
+    make.__doc__ = f"Diagnostic part {part!r} of the shapes score (`breakdown_analysis`); weigh it 0 to only log it."
+    make.__qualname__ = f"make_shapes_{part}_reward"
+    register_reward(f"shapes_{part}")(make)
+
+
+for _part in BREAKDOWN:
+    _register_breakdown(_part)
