@@ -138,6 +138,8 @@ class TrainConfig:
     """Seeds per prompt (G): the GRPO group."""
     lr: float = 1e-4
     """AdamW learning rate (tiny full fine-tune: 1e-4 for "nft"; "flow_grpo" needs 3e-5, both collapse at 3e-4)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps over which the learning rate ramps linearly up to lr (Adam's first steps are its largest); 0: none."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -320,6 +322,8 @@ class DiTRecipe:
             )
         if self.sample.guidance_scale < 1:
             raise ValueError(f"sample.guidance_scale must be >= 1 (1 disables CFG), got {self.sample.guidance_scale}")
+        if self.train.lr_warmup_steps < 0:
+            raise ValueError(f"train.lr_warmup_steps must be >= 0, got {self.train.lr_warmup_steps}")
         if self.train.objective == "flow_grpo" and self.sample.noise_level <= 0:
             raise ValueError(
                 "train.objective 'flow_grpo' trains on the log-probs of stochastic steps, so sample.noise_level "

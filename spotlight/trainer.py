@@ -107,6 +107,12 @@ class GRPOTrainer:
         self.dp.all_reduce_grads(self.params)
         norm = self.dp.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
         grad_norms.append(norm.item())
+        warmup = self.cfg.train.lr_warmup_steps
+        if warmup > 0:
+            # The steps taken so far live in the optimizer state, so a resumed run picks up the ramp where it was.
+            taken = int(self.optimizer.state.get(self.params[0], {}).get("step", 0))
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.train.lr * min(1.0, (taken + 1) / warmup)
         self.optimizer.step()
 
     def _summary(self, stats: dict[str, list[float]], grad_norms: list[float], num_trained: int) -> dict[str, float]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from spotlight.config import DiTRecipe
+from spotlight.config_io import from_dict
 from spotlight.grpo import clipped_policy_loss, gaussian_mean_kl, group_advantages
 from spotlight.rollout import rollout
 from spotlight.sampling import qwen_image_sigmas
@@ -177,3 +178,43 @@ def test_lora_init_follows_the_run_seed(tiny_model_dir):
     assert torch.equal(state, torch.random.get_rng_state())
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_lr_warmup_ramps_and_resumes_from_the_optimizer_state(tiny_model_dir):
+    """train.lr_warmup_steps: step k (from 1) uses lr * min(1, k / W); a fresh trainer loading the
+    optimizer state continues the ramp (the step count lives in that state)."""
+    from spotlight.policy import load_policy
+
+    cfg = _cfg(tiny_model_dir, lr=1e-3, lr_warmup_steps=3)  # minibatch 4 of 8 samples: 2 steps per update
+    policy = load_policy(cfg.model)
+    trainer = GRPOTrainer(policy, cfg)
+    ro, adv = _rollout_and_adv(policy, cfg)
+    seen = []
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        seen.append(trainer.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    trainer.update(ro, adv, iteration=0)
+    assert seen == pytest.approx([1e-3 / 3, 2e-3 / 3])
+    state = trainer.optimizer.state_dict()
+
+    resumed = GRPOTrainer(policy, cfg)
+    resumed.optimizer.load_state_dict(state)
+    seen_after = []
+    step_after = resumed.optimizer.step
+
+    def recording_step_after(*args, **kwargs):
+        seen_after.append(resumed.optimizer.param_groups[0]["lr"])
+        return step_after(*args, **kwargs)
+
+    resumed.optimizer.step = recording_step_after
+    resumed.update(ro, adv, iteration=1)
+    assert seen_after == pytest.approx([1e-3, 1e-3])  # steps 3 and 4: the ramp is over
+
+
+def test_lr_warmup_must_not_be_negative():
+    with pytest.raises(ValueError, match="train.lr_warmup_steps must be >= 0, got -1"):
+        from_dict(DiTRecipe, {"train": {"lr_warmup_steps": -1}})
