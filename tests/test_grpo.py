@@ -180,6 +180,19 @@ def test_lora_init_follows_the_run_seed(tiny_model_dir):
     assert any(not torch.equal(a[k], c[k]) for k in a)
 
 
+def _record_lrs(trainer: GRPOTrainer) -> list[float]:
+    """The learning rate of every optimizer step `trainer` takes from now on."""
+    seen: list[float] = []
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        seen.append(trainer.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    return seen
+
+
 def test_lr_warmup_ramps_and_resumes_from_the_optimizer_state(tiny_model_dir):
     """train.lr_warmup_steps: step k (from 1) uses lr * min(1, k / W); a fresh trainer loading the
     optimizer state continues the ramp (the step count lives in that state)."""
@@ -189,30 +202,15 @@ def test_lr_warmup_ramps_and_resumes_from_the_optimizer_state(tiny_model_dir):
     policy = load_policy(cfg.model)
     trainer = GRPOTrainer(policy, cfg)
     ro, adv = _rollout_and_adv(policy, cfg)
-    seen = []
-    step = trainer.optimizer.step
-
-    def recording_step(*args, **kwargs):
-        seen.append(trainer.optimizer.param_groups[0]["lr"])
-        return step(*args, **kwargs)
-
-    trainer.optimizer.step = recording_step
+    seen = _record_lrs(trainer)
     trainer.update(ro, adv, iteration=0)
     assert seen == pytest.approx([1e-3 / 3, 2e-3 / 3])
-    state = trainer.optimizer.state_dict()
 
     resumed = GRPOTrainer(policy, cfg)
-    resumed.optimizer.load_state_dict(state)
-    seen_after = []
-    step_after = resumed.optimizer.step
-
-    def recording_step_after(*args, **kwargs):
-        seen_after.append(resumed.optimizer.param_groups[0]["lr"])
-        return step_after(*args, **kwargs)
-
-    resumed.optimizer.step = recording_step_after
+    resumed.optimizer.load_state_dict(trainer.optimizer.state_dict())
+    seen = _record_lrs(resumed)
     resumed.update(ro, adv, iteration=1)
-    assert seen_after == pytest.approx([1e-3, 1e-3])  # steps 3 and 4: the ramp is over
+    assert seen == pytest.approx([1e-3, 1e-3])  # steps 3 and 4: the ramp is over
 
 
 def test_lr_warmup_must_not_be_negative():
