@@ -111,8 +111,11 @@ def test_periodic_held_out_eval_during_training(tiny_model_dir, tmp_path, capsys
 def test_ctrl_c_keeps_last_checkpoint_and_resumes(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     args = [*tiny_overrides(tiny_model_dir, 200), "log.checkpoint_every=1", "--run-dir", str(run_dir), "--quiet"]
+    # As from a terminal: a test runner started in the background (`cmd &`) ignores SIGINT, and so
+    # would the child, which then never sees the Ctrl-C. The default disposition comes back on exec.
     proc = subprocess.Popen([sys.executable, "-m", "spotlight.cli", "train", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + 180
     while not latest.exists() and time.monotonic() < deadline and proc.poll() is None:
