@@ -487,11 +487,17 @@ def breakdown_analysis(clauses: list[Clause], analysis: ImageAnalysis) -> dict[s
 
 def breakdown_images(images_BHW3: np.ndarray, prompts: list[str]) -> dict[str, np.ndarray]:
     """`breakdown_analysis` of a batch: each part as a (B,) float32 array."""
+    rows = [breakdown_analysis(c, a) for c, a in _parse_and_analyze(images_BHW3, prompts)]
+    return {part: np.array([r[part] for r in rows], dtype=np.float32) for part in BREAKDOWN}
+
+
+def _parse_and_analyze(images_BHW3: np.ndarray, prompts: list[str]) -> list[tuple[list[Clause], ImageAnalysis]]:
+    """(parsed prompt, analysis) per image."""
+    # Parse first, so that an off-grammar prompt fails before any image work.
     parsed = [parse_prompt(p) for p in prompts]
     if len(parsed) != len(images_BHW3):
         raise ValueError(f"got {len(images_BHW3)} images but {len(prompts)} prompts")
-    rows = [breakdown_analysis(c, a) for c, a in zip(parsed, analyze_images(images_BHW3), strict=True)]
-    return {part: np.array([r[part] for r in rows], dtype=np.float32) for part in BREAKDOWN}
+    return list(zip(parsed, analyze_images(images_BHW3), strict=True))
 
 
 def score_images(images_BHW3: np.ndarray, prompts: list[str]) -> np.ndarray:
@@ -504,14 +510,12 @@ def score_images(images_BHW3: np.ndarray, prompts: list[str]) -> np.ndarray:
     Returns:
         (B,) float32 scores in [0, 1].
     """
-    # Parse first, so that an off-grammar prompt fails before any image work.
-    parsed = [parse_prompt(p) for p in prompts]
-    if len(parsed) != len(images_BHW3):
-        raise ValueError(f"got {len(images_BHW3)} images but {len(prompts)} prompts")
-    analyses = analyze_images(images_BHW3)
-    return np.array(
-        [score_analysis(c, a) for c, a in zip(parsed, analyses, strict=True)], dtype=np.float32
-    )
+    return np.array([score_analysis(c, a) for c, a in _parse_and_analyze(images_BHW3, prompts)], dtype=np.float32)
+
+
+def _channels_last(images: torch.Tensor) -> np.ndarray:
+    """(B, 3, H, W) tensor in [0, 1] -> (B, H, W, 3) float32 array, as the scorer reads it."""
+    return images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
 
 
 @register_reward("shapes")
@@ -519,8 +523,7 @@ def make_shapes_reward():
     """The shapes-grammar reward; it takes no options."""
 
     def shapes_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        images_BHW3 = images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
-        return torch.from_numpy(score_images(images_BHW3, prompts))
+        return torch.from_numpy(score_images(_channels_last(images), prompts))
 
     return shapes_reward
 
@@ -528,8 +531,7 @@ def make_shapes_reward():
 def _register_breakdown(part: str) -> None:
     def make():
         def reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-            images_BHW3 = images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()
-            return torch.from_numpy(breakdown_images(images_BHW3, prompts)[part])
+            return torch.from_numpy(breakdown_images(_channels_last(images), prompts)[part])
 
         return reward
 
