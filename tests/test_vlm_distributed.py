@@ -62,7 +62,7 @@ def dp_overrides(base: Path, iterations: int) -> list[str]:
 
 @pytest.mark.parametrize(
     "schedule, extra, interrupted",
-    [("rollplex", [], True), ("serial", ["train.drop_flat_groups=true"], False)],
+    [("rollplex", [], True), ("serial", ["train.drop_flat_groups=true", "eval.every=3"], False)],
     ids=["rollplex-resumed", "serial-drop-flat"],
 )
 def test_two_processes_match_one(base, tmp_path, schedule, extra, interrupted):
@@ -103,6 +103,8 @@ def test_two_processes_match_one(base, tmp_path, schedule, extra, interrupted):
     assert sorted(os.listdir(two)) == sorted(os.listdir(one))
     assert sorted(os.listdir(two / "checkpoints")) == sorted(os.listdir(one / "checkpoints"))
     assert any(r["grpo/zero_variance_groups"] < 3 for r in rows_one)  # some group had a signal
+    if "eval.every=3" in extra:  # split over the 2 ranks, gathered: the one-process figure
+        assert "eval/accuracy" in rows_two[2]
     assert_same_run(one, two, base, lora=False)
 
 
@@ -200,6 +202,45 @@ def test_a_rank_without_rows_of_the_update_adds_nothing_and_steps_with_the_other
             assert len(result[schedule]) == len(reference)
             for step_a, step_b in zip(reference, result[schedule]):
                 assert max((a - b).abs().max().item() for a, b in zip(step_a, step_b)) <= 1e-6, schedule
+
+
+def _split_eval(rank: int, world_size: int, port: int, base: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from vlm.config import TaskConfig
+    from vlm.evaluate import evaluate
+    from vlm.policy import VLMPolicy
+    from vlm.task import heldout_examples
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    task = TaskConfig(**TASK)
+    summary = evaluate(VLMPolicy.load(base), task, examples=heldout_examples(task)[:7], batch_size=2, dp=DataParallel(rank=rank, world_size=world_size))
+    torch.save(summary, f"{out}/{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_the_heldout_eval_is_split_over_ranks_and_gathered(base, tmp_path):
+    """2 ranks decode 3 and 4 of 7 examples; both return the one-process summary of all 7."""
+    from vlm.config import TaskConfig
+    from vlm.evaluate import evaluate
+    from vlm.policy import VLMPolicy
+    from vlm.task import heldout_examples
+
+    mp.spawn(_split_eval, args=(2, free_port(), str(base), str(tmp_path)), nprocs=2)
+    task = TaskConfig(**TASK)
+    reference = evaluate(VLMPolicy.load(base), task, examples=heldout_examples(task)[:7], batch_size=2)
+    assert 0 < reference["format_rate"]  # the base answers in the format: the scores are not all zero
+    for rank in range(2):
+        summary = torch.load(tmp_path / f"{rank}.pt")
+        assert summary["num_examples"] == 7
+        for key, value in reference.items():
+            if key.startswith("accuracy") or key == "format_rate":
+                assert summary[key] == value, (rank, key)
+    # Each rank decoded its own slice: its samples are the first examples of that slice.
+    examples = heldout_examples(task)[:7]
+    assert torch.load(tmp_path / "0.pt")["samples"][0]["question"] == examples[0].question
+    assert torch.load(tmp_path / "1.pt")["samples"][0]["question"] == examples[3].question
 
 
 # -- FSDP ---------------------------------------------------------------------------------------

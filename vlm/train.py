@@ -15,14 +15,15 @@ the global batch and its seeds are the one-process ones; each rank rolls out a c
 the P * G rows (a group may span two ranks; sample g of prompt p keeps its seed whatever the rank),
 the rewards are all-gathered before the group advantages, every rank walks the same global
 minibatches with the loss divisors of the whole minibatch, gradients are summed over ranks before
-clipping, and only rank 0 writes (config, metrics, checkpoints) and evaluates.
+clipping, only rank 0 writes (config, metrics, checkpoints), and the held-out eval is split over
+the ranks (`vlm.evaluate.evaluate`'s `dp`).
 
 FSDP (configs/accelerate/fsdp.yaml, serial schedule): the model is sharded
 (`distributed.shard_module`: every decoder layer and vision block, then the root), so every
 forward is a collective and every rank runs as many: the rollout is padded to the same row count
 and decodes with transformers' `synced_gpus`; the reference and old log-prob passes score as many
 rows on every rank (repeats of a row, dropped); in the update a rank with fewer micro-batches of a
-minibatch runs zero-weight ones (`UpdateShard.spare`); the held-out eval runs on every rank; the
+minibatch runs zero-weight ones (`UpdateShard.spare`); the held-out eval's slices are padded alike; the
 KL reference of a full fine-tune is a clone of each rank's shards swapped in
 (`distributed.swapped_shards`); checkpoints are gathered to rank 0 in the one-process layout.
 The Rollplex schedule is refused: its prefix passes run in a worker thread while the rollout
@@ -493,11 +494,12 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
             }
             step = it + 1
             history.append(metrics)
-            # The held-out eval: on rank 0, or under FSDP on every rank (its forwards are collectives).
-            if cfg.eval.every and step % cfg.eval.every == 0 and (dp.is_main or dp.sharded):
+            # The held-out eval, split over the ranks (every rank takes part; rank 0 logs it).
+            if cfg.eval.every and step % cfg.eval.every == 0:
                 summary = evaluate(
-                    policy, cfg.task, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.rollout.max_new_tokens, synced_gpus=dp.sharded
-                )
+                    policy, cfg.task, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.rollout.max_new_tokens,
+                    synced_gpus=dp.sharded, dp=dp,
+                )  # fmt: skip
                 metrics.update({f"eval/{k}": v for k, v in summary.items() if k.startswith("accuracy") or k == "format_rate"})
             if dp.is_main:
                 tracker.log(metrics, step=step)
