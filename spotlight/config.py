@@ -371,6 +371,8 @@ class PretrainConfig:
     """AdamW learning rate (short warm-up, cosine decay to a tenth)."""
     caption_noise: float = 0.0
     """Per clause, the probability that the drawn image has a random count and shape instead of the caption's (web-like captions)."""
+    caption_dropout: float = 0.0
+    """Probability that an image is trained with the empty prompt " " instead of its caption, so that true CFG (`sample.guidance_scale` > 1) has an unconditional velocity to push away from."""
     num_heldout: int = 64
     """Held-out prompts excluded from pretraining (the same split as the GRPO recipe's)."""
     split_seed: int = 0

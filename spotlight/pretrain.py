@@ -10,6 +10,11 @@ clauses of its caption, as web alt-text often does. Such a base draws the right 
 weakly bound counts and shapes, the failure that verifiable-reward RL corrects in real
 text-to-image models, rather than failing for lack of training.
 
+Captions may also be dropped (`caption_dropout`, classifier-free guidance training): that share of
+images is trained with the empty prompt " ", the negative prompt the sampler's true CFG uses, so a
+base pretrained this way can sample with `sample.guidance_scale` > 1. The shipped base was not
+(no dropout; CFG has nothing to push away from there).
+
 Loss (Liu et al. 2022, rectified flow; Esser et al. 2024, logit-normal sigmas): with
 x_sigma = (1 - sigma) x0 + sigma eps, the transformer regresses v = eps - x0, the velocity of the
 sampler's convention x_{sigma'} = x_sigma + (sigma' - sigma) v.
@@ -32,6 +37,9 @@ from spotlight.rewards import shapes
 from spotlight.sampling import derive_seed
 from spotlight.tiny import build_tiny_model
 
+UNCONDITIONAL_PROMPT = " "
+"""What a dropped caption becomes: `SampleConfig.negative_prompt`'s default, as Qwen-Image's pipeline."""
+
 
 def _lr_at(step: int, total: int, peak: float, warmup: int = 50) -> float:
     if step < warmup:
@@ -42,6 +50,8 @@ def _lr_at(step: int, total: int, peak: float, warmup: int = 50) -> float:
 
 def pretrain(cfg: PretrainConfig, out_dir: str | Path, *, progress: bool = True) -> dict:
     """Build a tiny model folder at `out_dir` and pretrain its transformer; returns a summary."""
+    if not 0 <= cfg.caption_dropout <= 1:
+        raise ValueError(f"caption_dropout must be in [0, 1], got {cfg.caption_dropout}")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     out_dir = Path(out_dir)
@@ -67,6 +77,11 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, *, progress: bool = True)
             sigma_B = torch.sigmoid(torch.randn(cfg.batch_size))
             s = sigma_B.view(-1, 1, 1)
             x_sigma = (1 - s) * x0 + s * eps
+            if cfg.caption_dropout:
+                # Classifier-free guidance training (Ho & Salimans 2022): some captions become the
+                # negative prompt the sampler's CFG uses (" ", as Qwen-Image's pipeline).
+                dropped = rng.random(cfg.batch_size) < cfg.caption_dropout
+                prompts = [UNCONDITIONAL_PROMPT if d else p for p, d in zip(prompts, dropped)]
             embeds, mask = policy.encode_prompts(prompts)
             v_pred = policy.velocity(x_sigma, sigma_B, embeds, mask)
             loss = torch.nn.functional.mse_loss(v_pred.float(), eps - x0)

@@ -211,6 +211,30 @@ def test_pretrain_command_builds_a_loadable_model(tmp_path, capsys):
     assert policy.latent_shape == (64, 48)
 
 
+def test_pretrain_caption_dropout_trains_some_images_on_the_empty_prompt(tmp_path, monkeypatch):
+    """caption_dropout: that share of captions becomes the sampler's default negative prompt " "
+    (what true CFG subtracts); the rest stay their images' captions."""
+    from spotlight.config import PretrainConfig, SampleConfig
+    from spotlight.config_io import load_config
+    from spotlight.policy import DiTPolicy
+    from spotlight.pretrain import pretrain
+    from spotlight.rewards.shapes import parse_prompt
+
+    seen: list[str] = []
+    encode = DiTPolicy.encode_prompts
+    monkeypatch.setattr(DiTPolicy, "encode_prompts", lambda self, prompts: (seen.extend(prompts), encode(self, prompts))[1])
+    small = ["model.num_layers=1", "model.num_heads=2", "model.head_dim=16", "model.text_hidden=32", "num_steps=4", "batch_size=16"]
+    pretrain(load_config(PretrainConfig, None, [*small, "caption_dropout=0.5"]), tmp_path / "a", progress=False)
+    dropped = [p for p in seen if p == SampleConfig().negative_prompt]
+    assert len(seen) == 64 and 16 <= len(dropped) <= 48, len(dropped)
+    assert all(parse_prompt(p) for p in seen if p not in dropped)
+    seen.clear()
+    pretrain(load_config(PretrainConfig, None, small), tmp_path / "b", progress=False)
+    assert len(seen) == 64 and SampleConfig().negative_prompt not in seen
+    with pytest.raises(ValueError, match="caption_dropout must be in"):
+        pretrain(load_config(PretrainConfig, None, [*small, "caption_dropout=1.5"]), tmp_path / "c", progress=False)
+
+
 def test_shipped_base_model_is_the_default():
     from spotlight.config import DiTRecipe
     from spotlight.policy import default_model_path, load_policy
