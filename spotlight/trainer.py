@@ -31,6 +31,7 @@ import torch
 from spotlight.config import DiTRecipe
 from spotlight.distributed import DataParallel, swapped_shards
 from spotlight.grpo import Advantages, clipped_policy_loss, gaussian_mean_kl, nft_loss, nft_optimality
+from spotlight.optim import apply_lr_warmup
 from spotlight.policy import DiTPolicy
 from spotlight.rollout import PromptBatch, Rollout, encode, guided_velocity
 from spotlight.sampling import derive_seed, stochastic_step
@@ -107,12 +108,7 @@ class GRPOTrainer:
         self.dp.all_reduce_grads(self.params)
         norm = self.dp.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
         grad_norms.append(norm.item())
-        warmup = self.cfg.train.lr_warmup_steps
-        if warmup > 0:
-            # The steps taken so far live in the optimizer state, so a resumed run picks up the ramp where it was.
-            taken = int(self.optimizer.state.get(self.params[0], {}).get("step", 0))
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.cfg.train.lr * min(1.0, (taken + 1) / warmup)
+        apply_lr_warmup(self.optimizer, self.cfg.train.lr, self.cfg.train.lr_warmup_steps)
         self.optimizer.step()
 
     def _summary(self, stats: dict[str, list[float]], grad_norms: list[float], num_trained: int) -> dict[str, float]:

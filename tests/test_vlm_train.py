@@ -184,6 +184,38 @@ def test_skipping_the_old_pass_on_policy_changes_nothing(base):
     assert all(torch.allclose(skipped[k], computed[k], atol=1e-6) for k in skipped)
 
 
+def test_lr_warmup_ramps_and_resumes_from_the_optimizer_state(base):
+    """train.lr_warmup_steps: step k (from 1) at lr * min(1, k / W); an optimizer loading the state
+    continues the ramp. 6 rows in minibatches of 2: 3 optimizer steps per update."""
+    from spotlight.sampling import derive_seed
+    from vlm.policy import load_policy
+    from vlm.rollout import HFRolloutEngine
+    from vlm.task import TrainStream, example_image
+    from vlm.train import update
+
+    cfg = _recipe(base, "train.beta=0", "train.lr=1e-3", "train.lr_warmup_steps=4", "train.minibatch_size=2", "train.micro_batch_size=2")
+    policy = load_policy(cfg.model)
+    examples = TrainStream(cfg.task, seed=0).batch(0, 2)
+    prompts = policy.encode([e.question for e in examples], [example_image(e, cfg.task) for e in examples])
+    ro = HFRolloutEngine(policy).generate(prompts, 3, 4, 1.0, seed=derive_seed(0, 0))
+    adv_B = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, -0.3])
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+
+    def lrs_of_an_update(optimizer) -> list[float]:
+        seen, step = [], optimizer.step
+        optimizer.step = lambda *a, **k: (seen.append(optimizer.param_groups[0]["lr"]), step(*a, **k))[1]
+        update(policy, optimizer, ro, adv_B, None, None, cfg, 0)
+        return seen
+
+    first = torch.optim.AdamW(params, lr=cfg.train.lr)
+    assert lrs_of_an_update(first) == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3])
+    resumed = torch.optim.AdamW(params, lr=cfg.train.lr)
+    resumed.load_state_dict(first.state_dict())
+    assert lrs_of_an_update(resumed) == pytest.approx([1e-3, 1e-3, 1e-3])  # steps 4-6: the ramp is over
+    with pytest.raises(ValueError, match="train.lr_warmup_steps must be >= 0"):
+        load_config(VLMRecipe, None, ["train.lr_warmup_steps=-1"])
+
+
 def test_dropping_flat_groups_updates_only_groups_with_signal(base, tmp_path):
     run = tmp_path / "drop"
     run_training(_recipe(base, "train.num_iterations=2", "train.drop_flat_groups=true", "train.prompts_per_iteration=4"), run, progress=False)

@@ -146,6 +146,8 @@ class TrainConfig:
     """Prompts per iteration (P); the batch is P * G responses."""
     lr: float = 1e-3
     """AdamW learning rate (tiny recipe: 1e-3 with beta 0.1 and refill_prompts 16; see docs/vlm-recipe-notes.md)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of a linear learning-rate warm-up from lr / lr_warmup_steps to lr; 0: none."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -192,6 +194,8 @@ class TrainConfig:
             raise ValueError(f"clip_range must be > 0 and beta >= 0, got {self.clip_range}, {self.beta}")
         if self.clip_range_high < 0:
             raise ValueError(f"train.clip_range_high must be >= 0 (0: equal to clip_range), got {self.clip_range_high}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"train.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
 
 
 @dataclass
