@@ -88,23 +88,35 @@ class BanTokens:
 
 
 class GumbelNoise:
-    """A transformers logits processor: adds per-row seeded Gumbel noise to logits / temperature."""
+    """A transformers logits processor: adds per-row seeded Gumbel noise to logits / temperature.
+
+    Each row has its own generator, seeded by its row seed, so a row's noise does not depend on
+    the batch it decodes in. The generators live on the device of the logits (made at the first
+    call): on a GPU the noise is drawn there, instead of B vocabulary-sized draws on the CPU and
+    a host-to-device copy of them at every decode step. A row's stream is the device's own (the
+    CPU's and CUDA's generators give different numbers for one seed).
+    """
 
     def __init__(self, row_seeds: list[int], temperature: float):
         self.temperature = temperature
-        self.generators = []
-        for s in row_seeds:
-            g = torch.Generator(device="cpu")
-            g.manual_seed(s)
-            self.generators.append(g)
+        self.row_seeds = list(row_seeds)
+        self.generators: list[torch.Generator] = []
+
+    def _generators_on(self, device: torch.device) -> list[torch.Generator]:
+        if not self.generators:
+            for s in self.row_seeds:
+                g = torch.Generator(device=device)
+                g.manual_seed(s)
+                self.generators.append(g)
+        return self.generators
 
     def __call__(self, input_ids: torch.LongTensor, scores_BV: torch.Tensor) -> torch.Tensor:
-        assert scores_BV.shape[0] == len(self.generators), (scores_BV.shape, len(self.generators))
-        vocab = scores_BV.shape[1]
+        assert scores_BV.shape[0] == len(self.row_seeds), (scores_BV.shape, len(self.row_seeds))
+        vocab, device = scores_BV.shape[1], scores_BV.device
         # u in (0, 1): -log(-log(u)) is standard Gumbel noise.
-        u_BV = torch.stack([torch.rand(vocab, generator=g, dtype=torch.float64) for g in self.generators])
+        u_BV = torch.stack([torch.rand(vocab, generator=g, dtype=torch.float64, device=device) for g in self._generators_on(device)])
         gumbel_BV = -torch.log(-torch.log(u_BV.clamp(1e-20, 1.0 - 1e-12)))
-        return scores_BV.float() / self.temperature + gumbel_BV.to(scores_BV.device, torch.float32)
+        return scores_BV.float() / self.temperature + gumbel_BV.float()
 
 
 def response_mask(response_ids_BT: torch.Tensor, eos_token_id: int) -> torch.Tensor:
