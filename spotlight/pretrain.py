@@ -31,14 +31,14 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
-from spotlight.config import PretrainConfig
+from spotlight.config import PretrainConfig, SampleConfig
 from spotlight.policy import DiTPolicy
 from spotlight.rewards import shapes
 from spotlight.sampling import derive_seed
 from spotlight.tiny import build_tiny_model
 
-UNCONDITIONAL_PROMPT = " "
-"""What a dropped caption becomes: `SampleConfig.negative_prompt`'s default, as Qwen-Image's pipeline."""
+UNCONDITIONAL_PROMPT = SampleConfig().negative_prompt
+"""What a dropped caption becomes: the negative prompt the sampler's CFG uses by default (" ", as Qwen-Image's pipeline)."""
 
 
 def _lr_at(step: int, total: int, peak: float, warmup: int = 50) -> float:
@@ -79,7 +79,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, *, progress: bool = True)
             x_sigma = (1 - s) * x0 + s * eps
             if cfg.caption_dropout:
                 # Classifier-free guidance training (Ho & Salimans 2022): some captions become the
-                # negative prompt the sampler's CFG uses (" ", as Qwen-Image's pipeline).
+                # negative prompt the sampler's CFG subtracts.
                 dropped = rng.random(cfg.batch_size) < cfg.caption_dropout
                 prompts = [UNCONDITIONAL_PROMPT if d else p for p, d in zip(prompts, dropped)]
             embeds, mask = policy.encode_prompts(prompts)
