@@ -12,8 +12,8 @@ text-to-image models, rather than failing for lack of training.
 
 Captions may also be dropped (`caption_dropout`, classifier-free guidance training): that share of
 images is trained with the empty prompt " ", the negative prompt the sampler's true CFG uses, so a
-base pretrained this way can sample with `sample.guidance_scale` > 1. The shipped base was not
-(no dropout; CFG has nothing to push away from there).
+base pretrained this way can sample with `sample.guidance_scale` > 1. The shipped base is
+(`configs/dit/tiny-pretrain.yaml`: 10%).
 
 Loss (Liu et al. 2022, rectified flow; Esser et al. 2024, logit-normal sigmas): with
 x_sigma = (1 - sigma) x0 + sigma eps, the transformer regresses v = eps - x0, the velocity of the
