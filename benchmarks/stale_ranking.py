@@ -47,7 +47,7 @@ from spotlight.grpo import group_advantages
 from spotlight.policy import DiTPolicy, load_policy, load_trainable_state, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import CombinedReward, build_reward
-from spotlight.rollout import rollout
+from spotlight.rollout import resolve_autocast, rollout
 from spotlight.sampling import derive_seed, qwen_image_sigmas
 from spotlight.train import plan_iteration
 from spotlight.trainer import GRPOTrainer
@@ -116,6 +116,7 @@ def sample_rewards(run: TinyRun, policy: DiTPolicy, prompts: Sequence[str], seed
         guidance_scale=s.guidance_scale,
         negative_prompt=s.negative_prompt,
         batch_size=s.batch_size,
+        autocast=resolve_autocast(s.autocast, policy.device, run.cfg.train.objective),
     )  # fmt: skip
     return run.reward_fn(ro.images, list(prompts)).total_B.double().numpy()
 
@@ -148,6 +149,7 @@ def train(run: TinyRun, num_iterations: int, hook: Hook, *, log: Callable[[str],
             guidance_scale=cfg.sample.guidance_scale,
             negative_prompt=cfg.sample.negative_prompt,
             batch_size=cfg.sample.batch_size,
+            autocast=resolve_autocast(cfg.sample.autocast, run.policy.device, cfg.train.objective),
         )  # fmt: skip
         reward = run.reward_fn(ro.images, prompts)
         t1 = time.monotonic()

@@ -99,7 +99,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_sample(args: argparse.Namespace) -> int:
     from spotlight.prompts import prompt_check, read_prompt_file
-    from spotlight.rollout import rollout
+    from spotlight.rollout import resolve_autocast, rollout
     from spotlight.sampling import qwen_image_sigmas
     from spotlight.tracking import save_image_grid
 
@@ -119,6 +119,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         guidance_scale=cfg.sample.guidance_scale,
         negative_prompt=cfg.sample.negative_prompt,
         batch_size=cfg.eval.batch_size,
+        autocast=resolve_autocast(cfg.sample.autocast, policy.device, cfg.train.objective),
     )  # fmt: skip
     out = save_image_grid(ro.images, args.out, nrow=len(args.seeds))
     print(f"wrote {out}: {len(prompts)} prompt(s) as rows x {len(args.seeds)} seed(s) as columns")

@@ -60,6 +60,8 @@ class SampleConfig:
     """Noise level for evaluation sampling; 0 is the deterministic ODE sampler."""
     batch_size: int = 128
     """Samples per forward batch in training rollouts (results do not depend on it; size it to memory)."""
+    autocast: Literal["auto", "none", "bfloat16", "float16"] = "auto"
+    """Compute dtype of the sampling forwards (rollouts, evaluation, exploration) under torch.autocast; the update's stay in model.dtype. auto: bfloat16 with objective nft on a CUDA GPU with bfloat16 or a CPU with AMX, else none."""
 
     def validate(self) -> None:
         if self.sde_type == "cps":
@@ -328,6 +330,11 @@ class DiTRecipe:
             raise ValueError(
                 "train.objective 'flow_grpo' trains on the log-probs of stochastic steps, so sample.noise_level "
                 f"must be > 0 (got {self.sample.noise_level}); ODE rollouts need train.objective=nft"
+            )
+        if self.train.objective == "flow_grpo" and self.sample.autocast not in ("none", "auto"):
+            raise ValueError(
+                f"sample.autocast={self.sample.autocast!r} needs train.objective=nft: 'flow_grpo' compares the rollout's "
+                "step log-probs with the update's, which must come from the same computation"
             )
         if self.train.objective == "nft" and (self.train.nft_beta <= 0 or self.train.nft_adv_max <= 0 or self.train.nft_num_timesteps < 1):
             raise ValueError(

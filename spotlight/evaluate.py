@@ -13,7 +13,7 @@ from spotlight.config import DiTRecipe
 from spotlight.distributed import DataParallel
 from spotlight.policy import DiTPolicy
 from spotlight.rewards import CombinedReward
-from spotlight.rollout import rollout
+from spotlight.rollout import resolve_autocast, rollout
 from spotlight.sampling import derive_seed, qwen_image_sigmas
 
 
@@ -48,6 +48,7 @@ def evaluate(
     lo, hi = dp.shard(len(all_prompts))
     my_prompts, my_seeds = dp.padded_shard(all_prompts), dp.padded_shard(all_seeds)  # padding dropped below
     sigmas = qwen_image_sigmas(cfg.sample.eval_num_steps, policy.latent_shape[0])
+    autocast = resolve_autocast(cfg.sample.autocast, policy.device, cfg.train.objective)
     totals, components, firsts = [], {}, []
     batch = cfg.eval.batch_size
     with Progress(disable=not progress, transient=True) as bar:
@@ -60,6 +61,7 @@ def evaluate(
                 guidance_scale=cfg.sample.guidance_scale,
                 negative_prompt=cfg.sample.negative_prompt,
                 batch_size=batch,
+                autocast=autocast,
             )  # fmt: skip
             keep = min(len(p), hi - lo - i)  # the padding samples are not scored
             bar.update(task, advance=len(p))

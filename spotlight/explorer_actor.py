@@ -102,7 +102,7 @@ class Explorer:
 
     def explore(self, job: ExploreJob) -> ExploreResult:
         """Sample and score the job's rows in batches, stopping at its time limit."""
-        from spotlight.rollout import rollout
+        from spotlight.rollout import resolve_autocast, rollout
 
         if job.version != self.version:
             raise RuntimeError(f"explorer holds weights version {self.version}, job needs {job.version}")
@@ -118,6 +118,7 @@ class Explorer:
                 self.policy, prompts, job.seeds[start : start + bs], self.sigmas,
                 noise_level=s.noise_level, sde_steps=job.sde_steps, sde_type=s.sde_type,
                 guidance_scale=s.guidance_scale, negative_prompt=s.negative_prompt, batch_size=bs,
+                autocast=resolve_autocast(s.autocast, self.policy.device, self.cfg.train.objective),
             )  # fmt: skip
             rewards.extend(self.reward_fn(ro.images, prompts).total_B.tolist())
         n = len(rewards)

@@ -51,6 +51,34 @@ def guided_velocity(
     return cfg_combine(cond, uncond, guidance_scale)
 
 
+AUTOCAST_DTYPES = {"none": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Resolved `sample.autocast` values and their torch dtypes."""
+
+
+def resolve_autocast(setting: str, device: torch.device | str, objective: str) -> str:
+    """What a `sample.autocast` setting means here: "none", "bfloat16" or "float16".
+
+    "auto" picks bfloat16 only where it is both safe and fast. Safe: the objective is "nft",
+    which trains on the final samples, whatever computed them; Flow-GRPO compares the rollout's
+    step log-probs with the update's float32 recomputation, so it keeps "none". Fast: a CUDA GPU
+    with bfloat16, or a CPU with AMX tiles (on this project's 2-core Sapphire Rapids-class
+    machines a bfloat16 forward of the tiny model takes ~0.6 of a float32 one,
+    `benchmarks/autocast_rollout.py`; without AMX, CPU autocast is usually slower than float32).
+    """
+    if setting != "auto":
+        return setting
+    if objective != "nft":
+        return "none"
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "none"
+    if device.type == "cpu":
+        # A private probe, but the only one torch offers; a torch without it gets float32.
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        return "bfloat16" if amx is not None and amx() else "none"
+    return "none"
+
+
 @dataclass
 class Rollout:
     """Samples of one rollout, with what the GRPO update needs to recompute their log-probs."""
@@ -78,17 +106,36 @@ def rollout(
     guidance_scale: float = 1.0,
     negative_prompt: str = " ",
     batch_size: int = 64,
+    autocast: str = "none",
 ) -> Rollout:
-    """Sample one trajectory per (prompt, seed) in chunks of `batch_size`; results do not depend on it."""
+    """Sample one trajectory per (prompt, seed) in chunks of `batch_size`; results do not depend on it.
+
+    `autocast` ("bfloat16", "float16"; "none" to run in the weights' dtype; see
+    `resolve_autocast` for "auto") runs the transformer under torch.autocast; the sampler's
+    arithmetic and the decoder stay in float32.
+    """
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    if autocast == "auto":
+        raise ValueError('autocast "auto" must be resolved first: resolve_autocast(cfg.sample.autocast, device, objective)')
+    if autocast not in AUTOCAST_DTYPES:
+        raise ValueError(f"autocast must be one of {sorted(AUTOCAST_DTYPES)}, got {autocast!r}")
+    dtype = AUTOCAST_DTYPES[autocast]
+
+    def velocity(x: torch.Tensor, s: torch.Tensor, batch: PromptBatch) -> torch.Tensor:
+        if dtype is None:
+            return guided_velocity(policy, x, s, batch, guidance_scale)
+        with torch.autocast(policy.device.type, dtype=dtype):
+            v = guided_velocity(policy, x, s, batch, guidance_scale)
+        return v.to(x.dtype)
+
     chunks: list[Trajectory] = []
     for start in range(0, len(prompts), batch_size):
         p = list(prompts[start : start + batch_size])
         batch = encode(policy, p, guidance_scale, negative_prompt)
         chunks.append(
             sample(
-                lambda x, s: guided_velocity(policy, x, s, batch, guidance_scale),
+                lambda x, s: velocity(x, s, batch),
                 seeds[start : start + batch_size],
                 policy.latent_shape,
                 sigmas,

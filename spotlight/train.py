@@ -51,7 +51,7 @@ from spotlight.mirror import CheckpointMirror
 from spotlight.policy import load_policy, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
-from spotlight.rollout import Rollout, rollout
+from spotlight.rollout import Rollout, resolve_autocast, rollout
 from spotlight.sampling import Trajectory, derive_seed, qwen_image_sigmas, sde_step_indices
 from spotlight.tracking import Tracker
 from spotlight.trainer import GRPOTrainer
@@ -193,6 +193,9 @@ def _train(
     num_pad = dp.num_padding(P * G)
     if dp.world_size > 1:
         console.print(f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {P * G} samples on rank 0")
+    autocast = resolve_autocast(cfg.sample.autocast, policy.device, cfg.train.objective)
+    if cfg.sample.autocast == "auto" and autocast != "none":
+        console.print(f"sample.autocast=auto: rollouts and evaluation sample in {autocast} (sample.autocast=none for float32)")
     history: list[dict] = []
     last_ckpt: Path | None = latest
     began = time.monotonic()
@@ -223,6 +226,7 @@ def _train(
                 guidance_scale=cfg.sample.guidance_scale,
                 negative_prompt=cfg.sample.negative_prompt,
                 batch_size=cfg.sample.batch_size,
+                autocast=autocast,
             )  # fmt: skip
             if num_pad:
                 ro = _first(ro, hi - lo)

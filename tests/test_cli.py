@@ -182,6 +182,7 @@ def test_tiny_shapes_recipe_is_the_embedded_default():
         (["sample.sde_type=cps", "sample.noise_level=0.5"], ["sde_type", "sde_window_size"]),
         (["sample.sde_type=cps", "sample.noise_level=1.5", "sample.sde_window_size=2"], ["noise_level", "eta"]),
         (["train.nft_num_timesteps=0"], ["train.nft_num_timesteps"]),
+        (["train.objective=flow_grpo", "sample.noise_level=1.2", "sample.autocast=bfloat16"], ["sample.autocast", "train.objective"]),
     ],
 )
 def test_objective_and_step_mismatches_name_the_fields(capsys, overrides, names):

@@ -229,7 +229,7 @@ def test_mode_none_matches_the_driver_before_exploration_and_never_imports_ray(t
 
     data = {
         "model": {"path": str(tiny_model_dir), "height": 32, "width": 32},
-        "sample": {"num_steps": 3},
+        "sample": {"num_steps": 3, "autocast": "none"},
         "reward": {"weights": {"jpeg_compressibility": 1.0}},  # varies per seed: every group trains
         "train": {"num_iterations": 2, "prompts_per_iteration": 2, "group_size": 4, "minibatch_size": 4, "max_minutes": 0},
         "log": {"wandb_mode": "disabled", "images_every": 0},

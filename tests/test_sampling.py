@@ -129,6 +129,38 @@ def test_seed_fixes_trajectory_across_batch_compositions(tiny_policy):
     assert (full.final[0] - full.final[2]).abs().mean() > 1e-3
 
 
+def test_autocast_rollout_is_close_to_float32_and_batch_invariant(tiny_policy):
+    from spotlight.rollout import rollout
+
+    prompts = ["two red circles", "one blue square and three green triangles", "four yellow squares", "one red circle"]
+    seeds = [11, 22, 33, 44]
+    sigmas = qwen_image_sigmas(6, tiny_policy.latent_shape[0])
+    full = rollout(tiny_policy, prompts, seeds, sigmas, noise_level=0.0, autocast="none")
+    low = rollout(tiny_policy, prompts, seeds, sigmas, noise_level=0.0, autocast="bfloat16", batch_size=4)
+    # The sampler's arithmetic and the images stay float32; only the transformer ran in bfloat16.
+    assert low.trajectory.latents.dtype == torch.float32 and low.images.dtype == torch.float32
+    err = (low.trajectory.final - full.trajectory.final).norm() / full.trajectory.final.norm()
+    assert 1e-6 < err < 0.05, err  # it did run in bfloat16, and stayed close
+    # A sample's trajectory does not depend on the batch it is sampled in, under autocast too.
+    split = rollout(tiny_policy, prompts[::-1], seeds[::-1], sigmas, noise_level=0.0, autocast="bfloat16", batch_size=3)
+    torch.testing.assert_close(split.trajectory.final.flip(0), low.trajectory.final, rtol=0, atol=1e-2)
+    with pytest.raises(ValueError, match="autocast must be one of"):
+        rollout(tiny_policy, prompts, seeds, sigmas, noise_level=0.0, autocast="int8")
+    with pytest.raises(ValueError, match="must be resolved first"):
+        rollout(tiny_policy, prompts, seeds, sigmas, noise_level=0.0, autocast="auto")
+
+
+def test_auto_autocast_is_bfloat16_only_for_nft_on_fast_hardware():
+    from spotlight.rollout import resolve_autocast
+
+    amx = torch.cpu._is_amx_tile_supported()
+    assert resolve_autocast("auto", "cpu", "nft") == ("bfloat16" if amx else "none")
+    # Flow-GRPO's ratio needs the rollout's log-probs computed as the update computes them.
+    assert resolve_autocast("auto", "cpu", "flow_grpo") == "none"
+    assert resolve_autocast("float16", "cpu", "nft") == "float16"
+    assert resolve_autocast("none", "cpu", "nft") == "none"
+
+
 def test_window_and_resume_from_step(tiny_policy):
     prompts = ["one red circle", "two blue squares"]
     fn = _velocity_fn(tiny_policy, prompts)
