@@ -138,9 +138,9 @@ class TrainConfig:
     """Prompts sampled per iteration."""
     group_size: int = 16
     """Seeds per prompt (G): the GRPO group."""
-    lr: float = 1e-4
-    """AdamW learning rate (tiny full fine-tune: 1e-4 for "nft"; "flow_grpo" needs 3e-5, both collapse at 3e-4)."""
-    lr_warmup_steps: int = 0
+    lr: float = 3e-4
+    """AdamW learning rate (tiny full fine-tune: 3e-4 for "nft" with 4 noise levels and 20 warm-up steps; "flow_grpo" needs 3e-5)."""
+    lr_warmup_steps: int = 20
     """Optimizer steps over which the learning rate ramps linearly up to lr (Adam's first steps are its largest); 0: none."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -160,7 +160,7 @@ class TrainConfig:
     """DiffusionNFT: step size beta of the implicit positive/negative policies (objective "nft")."""
     nft_adv_max: float = 1.0
     """DiffusionNFT: advantages are mapped to optimality r = 0.5 + 0.5 clip(A / nft_adv_max, -1, 1)."""
-    nft_num_timesteps: int = 2
+    nft_num_timesteps: int = 4
     """DiffusionNFT: noise levels drawn from the rollout schedule per sample and update."""
     num_inner_epochs: int = 1
     """Passes over each iteration's rollouts."""
