@@ -158,8 +158,8 @@ class TrainConfig:
     """Policy objective: "flow_grpo" (clipped ratio of SDE step log-probs) or "nft" (DiffusionNFT forward-process loss)."""
     nft_beta: float = 1.0
     """DiffusionNFT: step size beta of the implicit positive/negative policies (objective "nft")."""
-    nft_adv_max: float = 1.0
-    """DiffusionNFT: advantages are mapped to optimality r = 0.5 + 0.5 clip(A / nft_adv_max, -1, 1)."""
+    nft_adv_max: float = 2.0
+    """DiffusionNFT: advantages are mapped to optimality r = 0.5 + 0.5 clip(A / nft_adv_max, -1, 1) (1 clips a third of the samples' weights, 2 a twentieth)."""
     nft_num_timesteps: int = 4
     """DiffusionNFT: noise levels drawn from the rollout schedule per sample and update."""
     num_inner_epochs: int = 1
