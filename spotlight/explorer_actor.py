@@ -110,6 +110,7 @@ class Explorer:
         t0 = time.monotonic()
         rewards: list[float] = []
         bs = self.cfg.explore.batch_size
+        autocast = resolve_autocast(s.autocast, self.policy.device, self.cfg.train.objective)
         for start in range(0, len(job.seeds), bs):
             if job.time_limit_s is not None and time.monotonic() - t0 > job.time_limit_s:
                 break
@@ -118,7 +119,7 @@ class Explorer:
                 self.policy, prompts, job.seeds[start : start + bs], self.sigmas,
                 noise_level=s.noise_level, sde_steps=job.sde_steps, sde_type=s.sde_type,
                 guidance_scale=s.guidance_scale, negative_prompt=s.negative_prompt, batch_size=bs,
-                autocast=resolve_autocast(s.autocast, self.policy.device, self.cfg.train.objective),
+                autocast=autocast,
             )  # fmt: skip
             rewards.extend(self.reward_fn(ro.images, prompts).total_B.tolist())
         n = len(rewards)
