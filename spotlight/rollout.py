@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spotlight.policy import DiTPolicy
+from spotlight.policy import DTYPES, DiTPolicy
 from spotlight.sampling import Trajectory, cfg_combine, sample
 
 
@@ -51,8 +51,8 @@ def guided_velocity(
     return cfg_combine(cond, uncond, guidance_scale)
 
 
-AUTOCAST_DTYPES = {"none": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""Resolved `sample.autocast` values and their torch dtypes."""
+AUTOCAST_DTYPES = {"none": None, "bfloat16": DTYPES["bfloat16"], "float16": DTYPES["float16"]}
+"""Resolved `sample.autocast` values and their torch dtypes (the weights' table, `policy.DTYPES`)."""
 
 
 def resolve_autocast(setting: str, device: torch.device | str, objective: str) -> str:
