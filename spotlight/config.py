@@ -61,7 +61,7 @@ class SampleConfig:
     batch_size: int = 128
     """Samples per forward batch in training rollouts (results do not depend on it; size it to memory)."""
     autocast: Literal["auto", "none", "bfloat16", "float16"] = "auto"
-    """Compute dtype of the sampling forwards (rollouts, evaluation, exploration) under torch.autocast; the update's stay in model.dtype. auto: bfloat16 with objective nft on a CUDA GPU with bfloat16 or a CPU with AMX, else none."""
+    """Compute dtype of the sampling forwards (rollouts, evaluation, exploration) under torch.autocast; the update's stay in model.dtype. auto: bfloat16 with objective nft on a CUDA GPU with bfloat16 or a CPU with AMX or AVX512-BF16, else none."""
 
     def validate(self) -> None:
         if self.sde_type == "cps":

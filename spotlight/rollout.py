@@ -55,15 +55,25 @@ AUTOCAST_DTYPES = {"none": None, "bfloat16": DTYPES["bfloat16"], "float16": DTYP
 """Resolved `sample.autocast` values and their torch dtypes (the weights' table, `policy.DTYPES`)."""
 
 
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU has bfloat16 matrix instructions (AMX tiles or AVX512-BF16), by torch's probes.
+
+    The probes are private, but the only ones torch offers; a torch without them counts as "no".
+    """
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(probe is not None and probe() for probe in probes)
+
+
 def resolve_autocast(setting: str, device: torch.device | str, objective: str) -> str:
     """What a `sample.autocast` setting means here: "none", "bfloat16" or "float16".
 
     "auto" picks bfloat16 only where it is both safe and fast. Safe: the objective is "nft",
     which trains on the final samples, whatever computed them; Flow-GRPO compares the rollout's
     step log-probs with the update's float32 recomputation, so it keeps "none". Fast: a CUDA GPU
-    with bfloat16, or a CPU with AMX tiles (on this project's 2-core Sapphire Rapids-class
-    machines a bfloat16 forward of the tiny model takes ~0.6 of a float32 one,
-    `benchmarks/autocast_rollout.py`; without AMX, CPU autocast is usually slower than float32).
+    with bfloat16, or a CPU with bfloat16 matrix instructions, AMX tiles or AVX512-BF16
+    (`benchmarks/autocast_rollout.py` on 2 cores: 1.73x faster rollouts on a Sapphire
+    Rapids-class CPU with AMX, 1.45x on an AMD EPYC with AVX512-BF16; a CPU with neither emulates
+    bfloat16 and is usually slower than float32).
     """
     if setting != "auto":
         return setting
@@ -73,9 +83,7 @@ def resolve_autocast(setting: str, device: torch.device | str, objective: str) -
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "none"
     if device.type == "cpu":
-        # A private probe, but the only one torch offers; a torch without it gets float32.
-        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-        return "bfloat16" if amx is not None and amx() else "none"
+        return "bfloat16" if cpu_has_bf16_matmul() else "none"
     return "none"
 
 

@@ -153,8 +153,8 @@ def test_autocast_rollout_is_close_to_float32_and_batch_invariant(tiny_policy):
 def test_auto_autocast_is_bfloat16_only_for_nft_on_fast_hardware():
     from spotlight.rollout import resolve_autocast
 
-    amx = torch.cpu._is_amx_tile_supported()
-    assert resolve_autocast("auto", "cpu", "nft") == ("bfloat16" if amx else "none")
+    fast = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert resolve_autocast("auto", "cpu", "nft") == ("bfloat16" if fast else "none")
     # Flow-GRPO's ratio needs the rollout's log-probs computed as the update computes them.
     assert resolve_autocast("auto", "cpu", "flow_grpo") == "none"
     assert resolve_autocast("float16", "cpu", "nft") == "float16"
