@@ -46,20 +46,27 @@ def _load_recipe(args: argparse.Namespace):
     return load_config(DiTRecipe, recipe, overrides), recipe
 
 
-def _policy_with_checkpoint(cfg, checkpoint: str | None):
-    """The recipe's policy, with a run's or checkpoint's trained weights when given."""
+def _policy_with_checkpoint(cfg, checkpoint: str | None, weights: str = "auto"):
+    """The recipe's policy, with a run's or checkpoint's trained weights when given.
+
+    weights: "ema" (the moving average a run with train.ema_decay saves), "raw" (the trained weights)
+    or "auto" (the moving average where the checkpoint has one). Returns (policy, checkpoint, which).
+    """
     from spotlight.checkpoint import load_checkpoint
     from spotlight.policy import load_policy, load_trainable_state
 
     if checkpoint is None:
-        return load_policy(cfg.model, trainable=False), None
+        return load_policy(cfg.model, trainable=False), None, "base"
     ckpt = load_checkpoint(checkpoint)
+    which = "ema" if weights == "ema" or (weights == "auto" and "ema" in ckpt.tensors) else "raw"
+    if which == "ema" and "ema" not in ckpt.tensors:
+        raise ValueError(f"--weights ema: {ckpt.path} has no moving average (train with train.ema_decay > 0); use --weights raw")
     # The adapter shape comes from the checkpoint, not from the (possibly different) recipe.
     cfg.model.lora_rank = int(ckpt.meta.get("lora_rank", 0))
     cfg.model.lora_alpha = float(ckpt.meta.get("lora_alpha", 0.0))
     policy = load_policy(cfg.model, trainable=False)
-    load_trainable_state(policy, ckpt.tensors["trainable"])
-    return policy, ckpt
+    load_trainable_state(policy, ckpt.tensors["ema" if which == "ema" else "trainable"])
+    return policy, ckpt, which
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -82,11 +89,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         prompts = read_prompt_file(args.prompts, check=prompt_check(cfg.reward.weights), field="--prompts")
     else:
         prompts = train_and_eval_prompts(cfg.data, cfg.reward.weights)[1]
-    policy, ckpt = _policy_with_checkpoint(cfg, args.checkpoint)
+    policy, ckpt, which = _policy_with_checkpoint(cfg, args.checkpoint, args.weights)
     reward_fn = build_reward(cfg.reward.weights, **cfg.reward.options())
     summary, images = evaluate(policy, prompts, reward_fn, cfg, progress=not args.json)
     summary["checkpoint"] = str(ckpt.path) if ckpt else None
     summary["step"] = ckpt.step if ckpt else 0
+    summary["weights"] = which
     if args.grid:
         save_image_grid(images[:64], args.grid, nrow=8)
     if args.json:
@@ -109,7 +117,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         prompts += read_prompt_file(args.prompts, check=prompt_check(cfg.reward.weights), field="--prompts")
     if not prompts:
         raise ValueError("give at least one --prompt TEXT or --prompts FILE")
-    policy, _ = _policy_with_checkpoint(cfg, args.checkpoint)
+    policy, _, _ = _policy_with_checkpoint(cfg, args.checkpoint, args.weights)
     sigmas = qwen_image_sigmas(cfg.sample.eval_num_steps, policy.latent_shape[0])
     all_prompts = [p for p in prompts for _ in args.seeds]
     seeds = [s for _ in prompts for s in args.seeds]
@@ -214,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("eval", "Mean reward of a model on held-out prompts, with fixed seeds.", cmd_eval)
     p.add_argument("--checkpoint", help="run directory or checkpoint (default: the recipe's base model)")
+    p.add_argument(
+        "--weights", choices=["auto", "ema", "raw"], default="auto",
+        help="a checkpoint's moving average (ema, saved with train.ema_decay > 0) or trained weights (raw); auto: ema where saved",
+    )  # fmt: skip
     p.add_argument("--prompts", help="prompt file, one per line (default: the recipe's eval prompts)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--grid", help="also write a PNG grid of the first seed of each prompt")
@@ -223,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="prompt file, one per line")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3], help="seeds (default: 0 1 2 3)")
     p.add_argument("--checkpoint", help="run directory or checkpoint (default: the recipe's base model)")
+    p.add_argument(
+        "--weights", choices=["auto", "ema", "raw"], default="auto",
+        help="a checkpoint's moving average (ema, saved with train.ema_decay > 0) or trained weights (raw); auto: ema where saved",
+    )  # fmt: skip
     p.add_argument("--out", default="samples.png", help="output PNG (default: samples.png)")
 
     p = command("pretrain", "Pretrain the tiny shapes base model with rectified flow.", cmd_pretrain)

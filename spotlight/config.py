@@ -146,6 +146,8 @@ class TrainConfig:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
+    ema_decay: float = 0.0
+    """Exponential moving average of the trainable weights, per optimizer step (0: off); checkpoints then hold it too and `spotlight eval`/`sample` use it. Rollouts always use the trained weights."""
     clip_range: float = 0.2
     """PPO ratio clip epsilon (Flow-GRPO uses 1e-4 at scale; the tiny model needs larger steps)."""
     adv_clip: float = 5.0
@@ -324,6 +326,8 @@ class DiTRecipe:
             )
         if self.sample.guidance_scale < 1:
             raise ValueError(f"sample.guidance_scale must be >= 1 (1 disables CFG), got {self.sample.guidance_scale}")
+        if not 0 <= self.train.ema_decay < 1:
+            raise ValueError(f"train.ema_decay must be in [0, 1) (0: no moving average), got {self.train.ema_decay}")
         if self.train.lr_warmup_steps < 0:
             raise ValueError(f"train.lr_warmup_steps must be >= 0, got {self.train.lr_warmup_steps}")
         if self.train.objective == "flow_grpo" and self.sample.noise_level <= 0:

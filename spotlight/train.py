@@ -143,7 +143,15 @@ def _train(
     latest = dp.broadcast_object(find_latest_checkpoint(run_dir) if resume and dp.is_main else None)
     if latest is not None:
         ckpt = load_checkpoint(latest)
+        if trainer.ema is not None and "ema" in ckpt.tensors:
+            # The moving average goes through the weights' loader (sharded under FSDP), then the
+            # weights themselves; the optimizer state is loaded twice, the second time for good.
+            load_train_state(dp, policy, trainer.optimizer, ckpt.tensors["ema"], ckpt.optimizer_state)
+            trainer.reset_ema()
         load_train_state(dp, policy, trainer.optimizer, ckpt.tensors["trainable"], ckpt.optimizer_state)
+        if trainer.ema is not None and "ema" not in ckpt.tensors:
+            trainer.reset_ema()
+            console.print(f"train.ema_decay={cfg.train.ema_decay}: {ckpt.path} has no moving average; it starts from its weights")
         restore_rng_state(ckpt.rng_state)
         start_iter = ckpt.step
         if exploration is not None and "explore" in ckpt.meta:
@@ -154,11 +162,11 @@ def _train(
         num_ready = exploration.wait_ready(cfg.explore.startup_timeout_s)
         console.print(f"explore.mode={cfg.explore.mode}: {num_ready} explorer(s) ready")
 
-    def checkpoint(step: int, metrics: dict, weights: dict, optimizer_state: dict) -> Path:
+    def checkpoint(step: int, metrics: dict, weights: dict, optimizer_state: dict, ema: dict | None) -> Path:
         step_dir = save_checkpoint(
             run_dir,
             step,
-            tensors={"trainable": weights},
+            tensors={"trainable": weights, **({"ema": ema} if ema is not None else {})},
             optimizer_state=optimizer_state,
             rng_state=capture_rng_state(),
             meta={
@@ -277,7 +285,8 @@ def _train(
             if cfg.eval.every and step % cfg.eval.every == 0:
                 # Held-out reward of θ_{k+1}; its time is outside time/iteration_s. Every rank
                 # samples its slice of the held-out samples, rank 0 reports.
-                eval_summary, _ = evaluate(policy, eval_prompts, reward_fn, cfg, progress=False, dp=dp)
+                with trainer.averaged_weights():  # what `spotlight eval` of the checkpoint would score
+                    eval_summary, _ = evaluate(policy, eval_prompts, reward_fn, cfg, progress=False, dp=dp)
             if dp.is_main:
                 # 7. Publish (rank 0 only): held-out eval, cost, metrics, images.
                 if eval_summary is not None:
@@ -292,8 +301,13 @@ def _train(
             out_of_time = dp.broadcast_object(bool(cfg.train.max_minutes and time.monotonic() - began > 60 * cfg.train.max_minutes))
             if step % cfg.log.checkpoint_every == 0 or step == cfg.train.num_iterations or out_of_time:
                 state = gather_train_state(dp, policy, trainer.optimizer)  # under FSDP, a collective
+                ema = None
+                if trainer.ema is not None:
+                    with trainer.averaged_weights():  # under FSDP, a collective
+                        ema = gather_trainable_weights(dp, policy)
+                        ema = ema and {k: v.detach().clone() for k, v in ema.items()}  # not the live tensors
                 if dp.is_main:
-                    last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith(("time/", "cost/"))}, *state)
+                    last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith(("time/", "cost/"))}, *state, ema)
             bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
             if out_of_time:
                 console.print(f"train.max_minutes={cfg.train.max_minutes} reached after iteration {step}")

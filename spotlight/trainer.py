@@ -52,6 +52,9 @@ class GRPOTrainer:
         if not self.dp.sharded:
             self.dp.broadcast_tensors(self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        # Moving average of the trainable weights (train.ema_decay), what evaluation and export
+        # use: clones of this rank's parameters (its shards under FSDP), updated after every step.
+        self.ema: list[torch.Tensor] | None = self._shards() if cfg.train.ema_decay > 0 else None
         # KL reference: the base weights. With LoRA they are the model with its adapter disabled;
         # a full fine-tune needs a frozen copy (memory: one more set of weights).
         self._ref_copy = None
@@ -60,6 +63,24 @@ class GRPOTrainer:
             self._ref_shards = self._shards()  # under FSDP: this rank's shards of the base weights
         elif cfg.train.beta > 0 and not policy.has_lora:
             self._ref_copy = copy.deepcopy(policy.transformer).requires_grad_(False).eval()
+
+    def reset_ema(self) -> None:
+        """Restart the moving average from the current weights (after loading a checkpoint's)."""
+        if self.ema is not None:
+            self.ema = self._shards()
+
+    @contextmanager
+    def averaged_weights(self):
+        """Run with the moving average in place of the trained weights; without train.ema_decay, as is.
+
+        `swapped_shards` swaps the values of `self.params`: under FSDP those are this rank's shards,
+        otherwise the whole parameters (there are no FSDP modules to reshard then).
+        """
+        if self.ema is None:
+            yield
+            return
+        with swapped_shards(self.policy.transformer, self.params, self.ema):
+            yield
 
     def _shards(self) -> list[torch.Tensor]:
         """A clone of this rank's shards of the trainable weights (FSDP)."""
@@ -110,6 +131,11 @@ class GRPOTrainer:
         grad_norms.append(norm.item())
         apply_lr_warmup(self.optimizer, self.cfg.train.lr, self.cfg.train.lr_warmup_steps)
         self.optimizer.step()
+        if self.ema is not None:
+            # ema <- decay * ema + (1 - decay) * weights, elementwise (so shard by shard under FSDP)
+            with torch.no_grad():
+                for e, p in zip(self.ema, self.params):
+                    e.lerp_(p.detach(), 1 - self.cfg.train.ema_decay)
 
     def _summary(self, stats: dict[str, list[float]], grad_norms: list[float], num_trained: int) -> dict[str, float]:
         # Each rank's entries are its weighted shares: summed over ranks they are the global values.

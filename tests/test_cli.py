@@ -108,6 +108,41 @@ def test_periodic_held_out_eval_during_training(tiny_model_dir, tmp_path, capsys
     assert result["mean_reward"] == pytest.approx(rows[1]["eval/mean_reward"], abs=1e-6)
 
 
+def test_ema_weights_are_saved_resumed_and_evaluated(tiny_model_dir, tmp_path, capsys):
+    """train.ema_decay: checkpoints hold the moving average beside the weights; the held-out eval
+    during training, `spotlight eval` (auto) and `--weights ema` score it, `--weights raw` the
+    trained weights; an interrupted run resumes it exactly."""
+    ema = ["train.ema_decay=0.5", "eval.every=2"]
+    full, split = tmp_path / "full", tmp_path / "split"
+    assert main(["train", *tiny_overrides(tiny_model_dir, 4), *ema, "--run-dir", str(full), "--quiet"]) == 0
+    assert main(["train", *tiny_overrides(tiny_model_dir, 2), *ema, "--run-dir", str(split), "--quiet"]) == 0
+    assert main(["train", *tiny_overrides(tiny_model_dir, 4), *ema, "--run-dir", str(split), "--quiet"]) == 0
+    a, b = load_checkpoint(full), load_checkpoint(split)
+    assert set(a.tensors) == {"trainable", "ema"}
+    for group in ("trainable", "ema"):
+        for key, value in a.tensors[group].items():
+            assert torch.equal(value, b.tensors[group][key]), (group, key)
+    assert any(not torch.equal(v, a.tensors["trainable"][k]) for k, v in a.tensors["ema"].items())
+
+    rows = read_metrics(full)
+    capsys.readouterr()
+    scores = {}
+    for weights in ("auto", "ema", "raw"):
+        assert main(["eval", *tiny_overrides(tiny_model_dir), "--checkpoint", str(full), "--weights", weights, "--json"]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["weights"] == ("raw" if weights == "raw" else "ema")
+        scores[weights] = result["mean_reward"]
+    assert scores["auto"] == scores["ema"] == pytest.approx(rows[3]["eval/mean_reward"], abs=1e-6)
+
+    # A run without the moving average: auto and raw score its weights; ema is refused, by name.
+    plain = tmp_path / "plain"
+    assert main(["train", *tiny_overrides(tiny_model_dir, 2), "--run-dir", str(plain), "--quiet"]) == 0
+    assert set(load_checkpoint(plain).tensors) == {"trainable"}
+    assert main(["eval", *tiny_overrides(tiny_model_dir), "--checkpoint", str(plain), "--weights", "ema", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "has no moving average" in err and "train.ema_decay" in err and "--weights raw" in err
+
+
 def test_ctrl_c_keeps_last_checkpoint_and_resumes(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     args = [*tiny_overrides(tiny_model_dir, 200), "log.checkpoint_every=1", "--run-dir", str(run_dir), "--quiet"]

@@ -50,8 +50,9 @@ def fsdp_overrides(model_dir: Path, iterations: int) -> list[str]:
     "variant",
     [
         # DiffusionNFT with a LoRA adapter: the old-policy forward swaps in cloned shards; peft's
-        # checkpoint keys are mapped to the sharded model's names.
-        ["model.lora_rank=4"],
+        # checkpoint keys are mapped to the sharded model's names. The moving average of the
+        # weights is kept shard by shard, swapped in for the held-out eval, gathered and resumed.
+        ["model.lora_rank=4", "train.ema_decay=0.5"],
         # Flow-GRPO, full fine-tuning, KL to the base weights: the reference is a clone of the shards.
         ["train.objective=flow_grpo", "sample.noise_level=1.2", "train.beta=0.01"],
     ],
@@ -95,8 +96,11 @@ def test_fsdp_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, varia
     ckpt_one, ckpt_two = load_checkpoint(one), load_checkpoint(two)
     assert ckpt_one.step == ckpt_two.step == 3
     assert ckpt_two.tensors["trainable"].keys() == ckpt_one.tensors["trainable"].keys()
-    for key, value in ckpt_one.tensors["trainable"].items():
-        torch.testing.assert_close(ckpt_two.tensors["trainable"][key], value, rtol=0, atol=1e-6, msg=key)
+    assert ckpt_two.tensors.keys() == ckpt_one.tensors.keys()
+    assert ("ema" in ckpt_two.tensors) == ("train.ema_decay=0.5" in variant)
+    for group in ckpt_one.tensors:  # "trainable", and "ema" with train.ema_decay
+        for key, value in ckpt_one.tensors[group].items():
+            torch.testing.assert_close(ckpt_two.tensors[group][key], value, rtol=0, atol=1e-6, msg=f"{group} {key}")
     state_one, state_two = ckpt_one.optimizer_state, ckpt_two.optimizer_state
     assert state_two["state"].keys() == state_one["state"].keys()
     assert [g["params"] for g in state_two["param_groups"]] == [g["params"] for g in state_one["param_groups"]]

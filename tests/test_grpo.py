@@ -216,3 +216,47 @@ def test_lr_warmup_ramps_and_resumes_from_the_optimizer_state(tiny_model_dir):
 def test_lr_warmup_must_not_be_negative():
     with pytest.raises(ValueError, match="train.lr_warmup_steps must be >= 0, got -1"):
         from_dict(DiTRecipe, {"train": {"lr_warmup_steps": -1}})
+
+
+def test_ema_follows_every_optimizer_step_and_swaps_in_for_evaluation(tiny_model_dir):
+    """train.ema_decay=d: after each optimizer step, ema = d * ema + (1 - d) * weights, from the
+    starting weights; `averaged_weights` runs with it in place and restores the trained weights."""
+    from spotlight.policy import load_policy
+
+    cfg = _cfg(tiny_model_dir, lr=1e-3, ema_decay=0.75)  # minibatch 4 of 8 samples: 2 steps per update
+    policy = load_policy(cfg.model)
+    trainer = GRPOTrainer(policy, cfg)
+    start = [p.detach().clone() for p in trainer.params]
+    after_steps: list[list[torch.Tensor]] = []
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        after_steps.append([p.detach().clone() for p in trainer.params])
+        return out
+
+    trainer.optimizer.step = recording_step
+    ro, adv = _rollout_and_adv(policy, cfg)
+    trainer.update(ro, adv, iteration=0)
+    assert len(after_steps) == 2
+    expected = [0.75 * (0.75 * w0 + 0.25 * w1) + 0.25 * w2 for w0, w1, w2 in zip(start, *after_steps)]
+    for e, x in zip(trainer.ema, expected):
+        torch.testing.assert_close(e, x, rtol=1e-6, atol=1e-6)  # lerp rounds differently
+    assert any(not torch.equal(e, p) for e, p in zip(trainer.ema, trainer.params))  # it lags the weights
+    with trainer.averaged_weights():
+        for p, e in zip(trainer.params, trainer.ema):
+            assert torch.equal(p, e)
+    for p, w in zip(trainer.params, after_steps[-1]):
+        assert torch.equal(p, w)
+    # Off by default: no copy, and averaged_weights is the trained weights.
+    plain = GRPOTrainer(policy, _cfg(tiny_model_dir))
+    assert plain.ema is None
+    with plain.averaged_weights():
+        assert all(torch.equal(p, w) for p, w in zip(plain.params, after_steps[-1]))
+
+
+@pytest.mark.parametrize("decay", [-0.1, 1.0])
+def test_ema_decay_outside_0_1_is_refused(decay):
+    with pytest.raises(ValueError, match=rf"train.ema_decay must be in \[0, 1\).*got {decay}"):
+        from_dict(DiTRecipe, {"train": {"ema_decay": decay}})
+
