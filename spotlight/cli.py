@@ -220,12 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-resume", action="store_true", help="start from scratch even if run-dir has checkpoints")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
 
-    p = command("eval", "Mean reward of a model on held-out prompts, with fixed seeds.", cmd_eval)
-    p.add_argument("--checkpoint", help="run directory or checkpoint (default: the recipe's base model)")
-    p.add_argument(
-        "--weights", choices=["auto", "ema", "raw"], default="auto",
+    weights_option = dict(
+        choices=["auto", "ema", "raw"], default="auto",
         help="a checkpoint's moving average (ema, saved with train.ema_decay > 0) or trained weights (raw); auto: ema where saved",
     )  # fmt: skip
+    p = command("eval", "Mean reward of a model on held-out prompts, with fixed seeds.", cmd_eval)
+    p.add_argument("--checkpoint", help="run directory or checkpoint (default: the recipe's base model)")
+    p.add_argument("--weights", **weights_option)
     p.add_argument("--prompts", help="prompt file, one per line (default: the recipe's eval prompts)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--grid", help="also write a PNG grid of the first seed of each prompt")
@@ -235,10 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="prompt file, one per line")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3], help="seeds (default: 0 1 2 3)")
     p.add_argument("--checkpoint", help="run directory or checkpoint (default: the recipe's base model)")
-    p.add_argument(
-        "--weights", choices=["auto", "ema", "raw"], default="auto",
-        help="a checkpoint's moving average (ema, saved with train.ema_decay > 0) or trained weights (raw); auto: ema where saved",
-    )  # fmt: skip
+    p.add_argument("--weights", **weights_option)
     p.add_argument("--out", default="samples.png", help="output PNG (default: samples.png)")
 
     p = command("pretrain", "Pretrain the tiny shapes base model with rectified flow.", cmd_pretrain)
