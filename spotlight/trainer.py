@@ -83,7 +83,7 @@ class GRPOTrainer:
             yield
 
     def _shards(self) -> list[torch.Tensor]:
-        """A clone of this rank's shards of the trainable weights (FSDP)."""
+        """A clone of this rank's trainable parameters (its shards under FSDP): old policy, reference, moving average."""
         return [p.detach().clone() for p in self.params]
 
     @contextmanager
