@@ -3,11 +3,14 @@
 Times `spotlight.rollout.rollout` (P x G samples, the recipe's steps, batch and sampler: the
 trainer's call) with `autocast="none"` and with `--dtype` (default bfloat16), alternately in one
 run, and compares what the two produce: the final latents and the `shapes` reward of the same
-seeds. Prints one JSON line:
+seeds. Then times the trainer's "nft" update of that rollout with `train.autocast` none and
+bfloat16, alternately, and compares their weight changes. Prints one JSON line:
 
     {"rollout_s_float32": ..., "rollout_s_autocast": ..., "speedup": ..., "dtype": "bfloat16",
      "final_latent_rel_err": ..., "mean_reward_float32": ..., "mean_reward_autocast": ...,
-     "mean_abs_reward_diff": ..., "cpu_has_amx": ..., "cpu_has_avx512_bf16": ..., "threads": ...}
+     "mean_abs_reward_diff": ..., "update_s_float32": ..., "update_s_bfloat16": ...,
+     "update_speedup": ..., "update_step_cosine": ..., "train_autocast_auto": ...,
+     "cpu_has_amx": ..., "cpu_has_avx512_bf16": ..., "threads": ...}
 
     .venv/bin/python benchmarks/autocast_rollout.py [--repeats 5] [model.path=...]
 
@@ -27,12 +30,14 @@ import torch
 
 from spotlight.config import DiTRecipe
 from spotlight.config_io import load_config
-from spotlight.policy import load_policy
+from spotlight.grpo import group_advantages
+from spotlight.policy import load_policy, load_trainable_state, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
-from spotlight.rollout import rollout
+from spotlight.rollout import resolve_train_autocast, rollout
 from spotlight.sampling import qwen_image_sigmas
 from spotlight.train import plan_iteration
+from spotlight.trainer import GRPOTrainer
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "dit" / "tiny-shapes.yaml"
 
@@ -51,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = load_config(DiTRecipe, args.recipe, args.overrides)
-    policy = load_policy(cfg.model, trainable=False)
+    policy = load_policy(cfg.model, seed=cfg.train.seed)
     train_prompts, _ = train_and_eval_prompts(cfg.data, cfg.reward.weights)
     prompts, seeds, sde_steps = plan_iteration(cfg, train_prompts, 0)
     sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
@@ -80,6 +85,7 @@ def main() -> None:
     r32 = reward_fn(ref.images, prompts).total_B.double()
     rlo = reward_fn(low.images, prompts).total_B.double()
     t32, tlo = statistics.median(times["none"]), statistics.median(times[args.dtype])
+    update = time_updates(cfg, policy, ref, r32.float(), args.repeats) if cfg.train.objective == "nft" else {}
     print(
         json.dumps(
             {
@@ -93,6 +99,7 @@ def main() -> None:
                 "mean_reward_float32": round(float(r32.mean()), 4),
                 "mean_reward_autocast": round(float(rlo.mean()), 4),
                 "mean_abs_reward_diff": round(float((rlo - r32).abs().mean()), 4),
+                **update,
                 # torch's own probes, the ones `resolve_autocast` reads (private; absent: None)
                 "cpu_has_amx": _probe("_is_amx_tile_supported"),
                 "cpu_has_avx512_bf16": _probe("_is_avx512_bf16_supported"),
@@ -100,6 +107,44 @@ def main() -> None:
             }
         )
     )
+
+
+def time_updates(cfg: DiTRecipe, policy, ro, rewards_B: torch.Tensor, repeats: int) -> dict:
+    """The trainer's "nft" update of one rollout with train.autocast none and bfloat16, alternately.
+
+    Every timed update starts from the same weights and a fresh optimizer, so all of them do the
+    same work; update_step_cosine compares the two modes' weight changes (1: the same step).
+    """
+    base = {k: v.clone() for k, v in trainable_state(policy).items()}
+    P, G = cfg.train.prompts_per_iteration, cfg.train.group_size
+    adv = group_advantages(rewards_B.view(P, G), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip)
+
+    def one(mode: str) -> tuple[float, torch.Tensor]:
+        load_trainable_state(policy, base)
+        cfg.train.autocast = mode
+        trainer = GRPOTrainer(policy, cfg)
+        t = time.perf_counter()
+        trainer.update(ro, adv, iteration=0)
+        dt = time.perf_counter() - t
+        return dt, torch.cat([(v - base[k]).flatten() for k, v in trainable_state(policy).items()])
+
+    one("none"), one("bfloat16")  # warm-up
+    times: dict[str, list[float]] = {"none": [], "bfloat16": []}
+    deltas = {}
+    for _ in range(repeats):
+        for mode in times:
+            dt, deltas[mode] = one(mode)
+            times[mode].append(dt)
+    load_trainable_state(policy, base)
+    u32, u16 = statistics.median(times["none"]), statistics.median(times["bfloat16"])
+    cos = torch.nn.functional.cosine_similarity(deltas["none"], deltas["bfloat16"], dim=0)
+    return {
+        "update_s_float32": round(u32, 3),
+        "update_s_bfloat16": round(u16, 3),
+        "update_speedup": round(u32 / u16, 3),
+        "update_step_cosine": round(float(cos), 4),
+        "train_autocast_auto": resolve_train_autocast("auto", policy.device, "nft"),
+    }
 
 
 if __name__ == "__main__":

@@ -92,7 +92,13 @@ def gaussian_mean_kl(mean_B: torch.Tensor, ref_mean_B: torch.Tensor, std_B: torc
 
 
 def nft_loss(
-    velocity: torch.Tensor, old_velocity: torch.Tensor, target: torch.Tensor, optimality_B: torch.Tensor, beta: float
+    velocity: torch.Tensor,
+    old_velocity: torch.Tensor,
+    target: torch.Tensor,
+    optimality_B: torch.Tensor,
+    beta: float,
+    *,
+    sigma_B: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """DiffusionNFT's negative-aware flow-matching loss (Zheng et al. 2025, arXiv 2509.16117, Eq. 8).
 
@@ -102,17 +108,34 @@ def nft_loss(
     gradient in v is 2 beta (2 r - 1) (v_old - target) / D per sample: advantage-weighted flow
     matching, with r = 1/2 (an average sample) contributing nothing.
 
+    With `sigma_B` (the noise level of each sample) the errors get DiffusionNFT's adaptive
+    weighting instead: each is measured in x0 space, where the prediction x0 = x_s - s v misses
+    by s (target - v), and divided by its own mean absolute value (no gradient through the
+    divisor). Per sample that is s ||v± - target||^2 / mean|v± - target|: every sample's term has
+    the scale of s times its error, so high noise levels, where the layout of an image is
+    decided, weigh more, and no sample dominates by the size of its error.
+
     Args:
         velocity: (B, ...) v of the weights being trained.
         old_velocity: (B, ...) v_old of the weights that sampled the data (no gradient).
         target: (B, ...) flow-matching target eps - x0 of the re-noised clean sample.
         optimality_B: (B,) r in [0, 1].
         beta: implicit policy step size (> 0).
+        sigma_B: (B,) noise levels s for the adaptive weighting; None: plain squared errors.
     """
     v_old = old_velocity.detach()
     dims = tuple(range(1, velocity.ndim))
-    pos_err = ((1 - beta) * v_old + beta * velocity - target).square().mean(dim=dims)
-    neg_err = ((1 + beta) * v_old - beta * velocity - target).square().mean(dim=dims)
+
+    def err(v_implicit: torch.Tensor) -> torch.Tensor:
+        diff = v_implicit - target
+        sq = diff.square().mean(dim=dims)
+        if sigma_B is None:
+            return sq
+        scale = diff.detach().abs().mean(dim=dims).clamp_min(1e-5)
+        return sigma_B.to(sq.dtype) * sq / scale
+
+    pos_err = err((1 - beta) * v_old + beta * velocity)
+    neg_err = err((1 + beta) * v_old - beta * velocity)
     loss = (optimality_B * pos_err + (1 - optimality_B) * neg_err).mean()
     return loss, {"nft_pos_err": pos_err.mean().item(), "nft_neg_err": neg_err.mean().item()}
 

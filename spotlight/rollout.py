@@ -87,6 +87,24 @@ def resolve_autocast(setting: str, device: torch.device | str, objective: str) -
     return "none"
 
 
+def resolve_train_autocast(setting: str, device: torch.device | str, objective: str) -> str:
+    """What a `train.autocast` setting means here: "none" or "bfloat16".
+
+    "auto" is bfloat16 for the "nft" update on a CUDA GPU with bfloat16, as in the usual
+    mixed-precision recipes (the weights, their gradients and Adam's state stay in the weights'
+    dtype), and float32 on a CPU: `benchmarks/autocast_rollout.py` (its update_* figures, 2
+    cores) measured the bfloat16 update 1.12x faster on an AMD EPYC with AVX512-BF16 and no
+    AMX, with weight steps at cosine 0.95 to the float32 ones, and a forward + backward at
+    batch 256 took 1.09 s against 0.98 s in float32 on a Sapphire Rapids-class CPU with AMX
+    tiles; a full run with it on the AMD host ended below the float32 runs
+    (docs/tiny-recipe-notes.md). Flow-GRPO keeps "none": its ratio compares float32 step
+    log-probs. Elsewhere "auto" means what it means for sampling (`resolve_autocast`).
+    """
+    if setting == "auto" and torch.device(device).type == "cpu":
+        return "none"
+    return resolve_autocast(setting, device, objective)
+
+
 @dataclass
 class Rollout:
     """Samples of one rollout, with what the GRPO update needs to recompute their log-probs."""

@@ -204,6 +204,8 @@ def _train(
     autocast = resolve_autocast(cfg.sample.autocast, policy.device, cfg.train.objective)
     if cfg.sample.autocast == "auto" and autocast != "none":
         console.print(f"sample.autocast=auto: rollouts and evaluation sample in {autocast} (sample.autocast=none for float32)")
+    if cfg.train.autocast == "auto" and trainer.autocast != "none":
+        console.print(f"train.autocast=auto: the update's forwards and backward run in {trainer.autocast} (train.autocast=none for float32)")
     history: list[dict] = []
     last_ckpt: Path | None = latest
     began = time.monotonic()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from spotlight.distributed import DataParallel, swapped_shards
 from spotlight.grpo import Advantages, clipped_policy_loss, gaussian_mean_kl, nft_loss, nft_optimality
 from spotlight.optim import apply_lr_warmup
 from spotlight.policy import DiTPolicy
-from spotlight.rollout import PromptBatch, Rollout, encode, guided_velocity
+from spotlight.rollout import AUTOCAST_DTYPES, PromptBatch, Rollout, encode, guided_velocity, resolve_train_autocast
 from spotlight.sampling import derive_seed, stochastic_step
 
 
@@ -52,6 +52,8 @@ class GRPOTrainer:
         if not self.dp.sharded:
             self.dp.broadcast_tensors(self.params)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.autocast = resolve_train_autocast(cfg.train.autocast, policy.device, cfg.train.objective)
+        """Resolved `train.autocast` of the "nft" update: "none" or "bfloat16"."""
         # Moving average of the trainable weights (train.ema_decay), what evaluation and export
         # use: clones of this rank's parameters (its shards under FSDP), updated after every step.
         self.ema: list[torch.Tensor] | None = self._shards() if cfg.train.ema_decay > 0 else None
@@ -112,6 +114,11 @@ class GRPOTrainer:
                 yield
             finally:
                 tr.enable_adapters()
+
+    def _amp(self):
+        """The update's forwards under torch.autocast (train.autocast), or nothing."""
+        dtype = AUTOCAST_DTYPES[self.autocast]
+        return nullcontext() if dtype is None else torch.autocast(self.policy.device.type, dtype=dtype)
 
     def _mine(self, idx_M: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """This rank's part [lo, hi) of the global minibatch idx_M: global indices, rollout rows, share of M.
@@ -264,7 +271,8 @@ class GRPOTrainer:
                     s = sigma_M.reshape(-1, 1, 1)
                     x_s = (1 - s) * x0 + s * eps
                     target = eps - x0
-                    v = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
+                    with self._amp():
+                        v = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
                     if first_step:
                         # No optimizer step yet: the current weights are the sampling weights.
                         v_old = v.detach()
@@ -273,13 +281,15 @@ class GRPOTrainer:
                             old_weights = swapped_shards(self.policy.transformer, self.params, old)
                         else:
                             old_weights = self._swapped(old)
-                        with torch.no_grad(), old_weights:
+                        with torch.no_grad(), old_weights, self._amp():
                             v_old = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
-                    loss, s_nft = nft_loss(v, v_old, target, r_B[idx_M], tcfg.nft_beta)
+                    loss, s_nft = nft_loss(
+                        v, v_old, target, r_B[idx_M], tcfg.nft_beta, sigma_B=sigma_M if tcfg.nft_weighting == "adaptive" else None
+                    )
                     if tcfg.beta > 0:
                         # KL to the reference in velocity space (the Gaussian-step KL up to a
                         # per-noise-level factor): ||v - v_ref||^2, averaged.
-                        with torch.no_grad(), self._reference():
+                        with torch.no_grad(), self._reference(), self._amp():
                             v_ref = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
                         kl = (v - v_ref).square().mean()
                         loss = loss + tcfg.beta * kl

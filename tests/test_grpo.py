@@ -145,12 +145,35 @@ def test_nft_loss_gradient_is_advantage_weighted_flow_matching():
     assert loss_hit.item() < 1e-10
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.1])
-def test_nft_update_on_ode_rollouts(tiny_model_dir, beta):
+def test_nft_adaptive_weighting_scales_each_sample_by_noise_level_over_its_error():
+    """DiffusionNFT's adaptive weighting: at v = v_old the gradient per sample is
+    2 beta s (2 r - 1) (v_old - target) / (D mean|v_old - target|), the divisor held constant."""
+    from spotlight.grpo import nft_loss, nft_optimality
+
+    gen = torch.Generator().manual_seed(1)
+    v_old, target = torch.randn(3, 4, 5, generator=gen), torch.randn(3, 4, 5, generator=gen)
+    target[2] *= 10  # a sample with a large error weighs as much as the others, not 100x
+    r = nft_optimality(torch.tensor([2.0, -1.0, 1.5]), adv_max=2.0)
+    sigma = torch.tensor([0.9, 0.2, 0.5])
+    v = v_old.clone().requires_grad_(True)
+    loss, _ = nft_loss(v, v_old, target, r, beta=0.7, sigma_B=sigma)
+    loss.backward()
+    scale = (v_old - target).abs().mean(dim=(1, 2)).view(3, 1, 1)
+    expected = 2 * 0.7 * (sigma * (2 * r - 1)).view(3, 1, 1) * (v_old - target) / (scale * 4 * 5) / 3
+    torch.testing.assert_close(v.grad, expected)
+    # Per sample, the loss at v = v_old is s * mean((v_old - target)^2) / mean|v_old - target|.
+    plain, _ = nft_loss(v_old, v_old, target, r, beta=0.7)
+    weighted = (sigma * (v_old - target).square().mean(dim=(1, 2)) / scale.flatten()).mean()
+    torch.testing.assert_close(loss, weighted)
+    assert not torch.isclose(loss, plain)
+
+
+@pytest.mark.parametrize("beta,weighting", [(0.0, "flow"), (0.1, "flow"), (0.0, "adaptive")])
+def test_nft_update_on_ode_rollouts(tiny_model_dir, beta, weighting):
     """The NFT objective trains on ODE samples (no log-probs) and moves the parameters."""
     from spotlight.policy import load_policy, trainable_state
 
-    cfg = _cfg(tiny_model_dir, objective="nft", beta=beta, nft_num_timesteps=2)
+    cfg = _cfg(tiny_model_dir, objective="nft", beta=beta, nft_num_timesteps=2, nft_weighting=weighting)
     policy = load_policy(cfg.model)
     trainer = GRPOTrainer(policy, cfg)
     before = {k: v.clone() for k, v in trainable_state(policy).items()}
@@ -260,3 +283,46 @@ def test_ema_decay_outside_0_1_is_refused(decay):
     with pytest.raises(ValueError, match=rf"train.ema_decay must be in \[0, 1\).*got {decay}"):
         from_dict(DiTRecipe, {"train": {"ema_decay": decay}})
 
+
+
+def test_train_autocast_runs_the_nft_update_in_bfloat16_with_float32_weights(tiny_model_dir):
+    """Mixed precision: the update's forwards run in bfloat16, the weights and their steps stay
+    float32, and the step points where the float32 update's does."""
+    from spotlight.policy import load_policy, trainable_state
+
+    prompts = ["one red circle"] * 4 + ["two blue squares"] * 4
+    adv = group_advantages(torch.arange(8, dtype=torch.float32).view(2, 4) % 3)
+    deltas, seen = {}, {}
+    for mode in ("none", "bfloat16"):
+        cfg = _cfg(tiny_model_dir, objective="nft", nft_num_timesteps=2, autocast=mode, minibatch_size=8)
+        cfg.sample.noise_level = 0.0
+        policy = load_policy(cfg.model)
+        trainer = GRPOTrainer(policy, cfg)
+        assert trainer.autocast == mode
+        sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
+        ro = rollout(policy, prompts, list(range(8)), sigmas, noise_level=0.0)
+        before = {k: v.clone() for k, v in trainable_state(policy).items()}
+        dtypes = seen.setdefault(mode, set())
+        hook = policy.transformer.proj_out.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
+        trainer.update(ro, adv, iteration=0)
+        hook.remove()
+        after = trainable_state(policy)
+        assert all(v.dtype == torch.float32 for v in after.values())
+        deltas[mode] = torch.cat([(after[k] - before[k]).flatten() for k in before])
+    assert seen == {"none": {torch.float32}, "bfloat16": {torch.bfloat16}}
+    cos = torch.nn.functional.cosine_similarity(deltas["none"], deltas["bfloat16"], dim=0).item()
+    assert cos > 0.8, cos  # bfloat16 rounding, not a different update
+    assert deltas["bfloat16"].abs().max() > 0
+
+
+def test_train_autocast_auto_and_refusals():
+    from spotlight.rollout import resolve_train_autocast
+
+    assert resolve_train_autocast("auto", "cpu", "nft") == "none"  # float32 updates on every CPU
+    assert resolve_train_autocast("auto", "cpu", "flow_grpo") == "none"
+    assert resolve_train_autocast("bfloat16", "cpu", "nft") == "bfloat16"
+    assert resolve_train_autocast("none", "cpu", "nft") == "none"
+    with pytest.raises(ValueError, match="train.autocast='bfloat16' needs train.objective=nft"):
+        from_dict(DiTRecipe, {"train": {"objective": "flow_grpo", "autocast": "bfloat16"}, "sample": {"noise_level": 1.2}})
+    with pytest.raises(ValueError, match="train.autocast"):
+        from_dict(DiTRecipe, {"train": {"autocast": "float16"}})

@@ -129,6 +129,26 @@ def test_seed_fixes_trajectory_across_batch_compositions(tiny_policy):
     assert (full.final[0] - full.final[2]).abs().mean() > 1e-3
 
 
+def test_prompt_padding_length_does_not_change_the_velocity(tiny_policy):
+    """model.max_text_tokens only sets the fixed padding: the masked pad tokens change nothing
+    (so the recipe pads to the grammar's longest prompt, not more)."""
+    prompts = ["one red circle", "three yellow triangles and four green squares"]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, *tiny_policy.latent_shape, generator=gen)
+    sigma = torch.tensor([0.9, 0.3])
+    out = {}
+    for length in (16, 10):
+        tiny_policy.max_text_tokens = length
+        embeds, mask = tiny_policy.encode_prompts(prompts)
+        assert embeds.shape[1] == length
+        with torch.no_grad():
+            out[length] = tiny_policy.velocity(x, sigma, embeds, mask)
+    torch.testing.assert_close(out[10], out[16], rtol=0, atol=1e-4)
+    tiny_policy.max_text_tokens = 9
+    with pytest.raises(ValueError, match="more than model.max_text_tokens=9"):
+        tiny_policy.encode_prompts(prompts)
+
+
 def test_autocast_rollout_is_close_to_float32_and_batch_invariant(tiny_policy):
     from spotlight.rollout import rollout
 
