@@ -284,7 +284,6 @@ def test_ema_decay_outside_0_1_is_refused(decay):
         from_dict(DiTRecipe, {"train": {"ema_decay": decay}})
 
 
-
 def test_train_autocast_runs_the_nft_update_in_bfloat16_with_float32_weights(tiny_model_dir):
     """Mixed precision: the update's forwards run in bfloat16, the weights and their steps stay
     float32, and the step points where the float32 update's does."""
