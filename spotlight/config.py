@@ -339,10 +339,10 @@ class DiTRecipe:
                 "train.objective 'flow_grpo' trains on the log-probs of stochastic steps, so sample.noise_level "
                 f"must be > 0 (got {self.sample.noise_level}); ODE rollouts need train.objective=nft"
             )
-        for field, value in (("sample.autocast", self.sample.autocast), ("train.autocast", self.train.autocast)):
+        for name, value in (("sample.autocast", self.sample.autocast), ("train.autocast", self.train.autocast)):
             if self.train.objective == "flow_grpo" and value not in ("none", "auto"):
                 raise ValueError(
-                    f"{field}={value!r} needs train.objective=nft: 'flow_grpo' compares the rollout's step log-probs "
+                    f"{name}={value!r} needs train.objective=nft: 'flow_grpo' compares the rollout's step log-probs "
                     "with the update's, which must come from the same float32 computation"
                 )
         if self.train.objective == "nft" and (self.train.nft_beta <= 0 or self.train.nft_adv_max <= 0 or self.train.nft_num_timesteps < 1):
