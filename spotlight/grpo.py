@@ -143,3 +143,21 @@ def nft_loss(
 def nft_optimality(adv_B: torch.Tensor, adv_max: float) -> torch.Tensor:
     """DiffusionNFT's optimality probability r = 0.5 + 0.5 clip(A / adv_max, -1, 1)."""
     return 0.5 + 0.5 * (adv_B / adv_max).clamp(-1, 1)
+
+
+def nft_level_indices(num_levels: int, shape: tuple[int, ...], sampling: str, generator: torch.Generator) -> torch.Tensor:
+    """Indices into a schedule of `num_levels` noise levels, of shape `shape` (..., K): K per group.
+
+    Both ways every index is marginally uniform, so the loss estimate has the same expectation.
+    uniform: independent draws. stratified: a group's k-th draw is floor(N u_k) with u_k uniform
+    on [k/K, (k+1)/K), so its K levels spread over the whole schedule and repeat only where one
+    level straddles two parts (stratified sampling of the diffusion time, like the low-discrepancy
+    sampler of Kingma et al. 2021, arXiv 2107.00630: the same expectation, less variance).
+    """
+    if sampling == "uniform":
+        return torch.randint(num_levels, shape, generator=generator)
+    if sampling != "stratified":
+        raise ValueError(f"unknown noise-level sampling {sampling!r}: expected 'uniform' or 'stratified'")
+    K = shape[-1]
+    u = (torch.arange(K) + torch.rand(shape, generator=generator, dtype=torch.float64)) / K
+    return (u * num_levels).long().clamp(max=num_levels - 1)

@@ -30,7 +30,7 @@ import torch
 
 from spotlight.config import DiTRecipe
 from spotlight.distributed import DataParallel, swapped_shards
-from spotlight.grpo import Advantages, clipped_policy_loss, gaussian_mean_kl, nft_loss, nft_optimality
+from spotlight.grpo import Advantages, clipped_policy_loss, gaussian_mean_kl, nft_level_indices, nft_loss, nft_optimality
 from spotlight.optim import apply_lr_warmup
 from spotlight.policy import DiTPolicy
 from spotlight.rollout import AUTOCAST_DTYPES, PromptBatch, Rollout, encode, guided_velocity, resolve_train_autocast
@@ -246,7 +246,7 @@ class GRPOTrainer:
         self.policy.transformer.train()
         noise_gen = torch.Generator().manual_seed(derive_seed(tcfg.seed, iteration, 13))
         shape = (tcfg.num_inner_epochs, num_groups, tcfg.nft_num_timesteps)
-        sigma_EPK = schedule[torch.randint(len(schedule), shape, generator=noise_gen)]
+        sigma_EPK = schedule[nft_level_indices(len(schedule), shape, tcfg.nft_timestep_sampling, noise_gen)]
         eps_EPKLC = torch.randn(*shape, *x0_BLC.shape[1:], generator=noise_gen)
         for epoch in range(tcfg.num_inner_epochs):
             gen = torch.Generator().manual_seed(derive_seed(tcfg.seed, iteration, epoch, 11))

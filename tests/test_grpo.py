@@ -168,12 +168,16 @@ def test_nft_adaptive_weighting_scales_each_sample_by_noise_level_over_its_error
     assert not torch.isclose(loss, plain)
 
 
-@pytest.mark.parametrize("beta,weighting", [(0.0, "flow"), (0.1, "flow"), (0.0, "adaptive")])
-def test_nft_update_on_ode_rollouts(tiny_model_dir, beta, weighting):
+@pytest.mark.parametrize(
+    "beta,weighting,levels", [(0.0, "flow", "uniform"), (0.1, "flow", "uniform"), (0.0, "adaptive", "uniform"), (0.0, "flow", "stratified")]
+)
+def test_nft_update_on_ode_rollouts(tiny_model_dir, beta, weighting, levels):
     """The NFT objective trains on ODE samples (no log-probs) and moves the parameters."""
     from spotlight.policy import load_policy, trainable_state
 
-    cfg = _cfg(tiny_model_dir, objective="nft", beta=beta, nft_num_timesteps=2, nft_weighting=weighting)
+    cfg = _cfg(
+        tiny_model_dir, objective="nft", beta=beta, nft_num_timesteps=2, nft_weighting=weighting, nft_timestep_sampling=levels
+    )
     policy = load_policy(cfg.model)
     trainer = GRPOTrainer(policy, cfg)
     before = {k: v.clone() for k, v in trainable_state(policy).items()}
@@ -188,6 +192,32 @@ def test_nft_update_on_ode_rollouts(tiny_model_dir, beta, weighting):
     assert len(changed) >= len(before) // 2
     assert math.isfinite(stats["loss"]) and stats["num_trained_samples"] == 8
     assert ("kl_ref" in stats) == (beta > 0)
+
+
+def test_stratified_noise_levels_span_the_schedule_with_uniform_marginals():
+    """Stratified draws: the k-th of K levels lies in the k-th K-th of the schedule, every level is
+    drawn as often as under independent draws, and a group's levels spread out (fewer repeats)."""
+    from spotlight.grpo import nft_level_indices
+
+    N, K = 10, 3
+    strat = nft_level_indices(N, (4000, 16, K), "stratified", torch.Generator().manual_seed(0))
+    iid = nft_level_indices(N, (4000, 16, K), "uniform", torch.Generator().manual_seed(0))
+    for k in range(K):
+        # floor(N u) with u in [k/K, (k+1)/K): indices floor(N k / K) .. ceil(N (k + 1) / K) - 1
+        assert strat[..., k].min() == N * k // K and strat[..., k].max() == -(-N * (k + 1) // K) - 1
+    for idx in (strat, iid):
+        freq = torch.bincount(idx.flatten(), minlength=N).double() / idx.numel()
+        assert torch.allclose(freq, torch.full((N,), 1 / N, dtype=torch.float64), atol=0.004)
+
+    def repeats(idx):
+        return (idx[..., :, None] == idx[..., None, :]).sum(dim=(-1, -2)).sub(K).gt(0).double().mean()
+
+    assert repeats(strat) < 0.06 < 0.2 < repeats(iid)  # iid: 1 - 10*9*8/1000 = 0.28
+    assert torch.equal(strat[:2], nft_level_indices(N, (2, 16, K), "stratified", torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match="sobol"):
+        nft_level_indices(N, (1, K), "sobol", torch.Generator())
+    with pytest.raises(ValueError, match="nft_timestep_sampling"):
+        from_dict(DiTRecipe, {"train": {"nft_timestep_sampling": "sobol"}})
 
 
 def test_lora_init_follows_the_run_seed(tiny_model_dir):
