@@ -159,7 +159,7 @@ class TrainConfig:
     objective: Literal["flow_grpo", "nft"] = "nft"
     """Policy objective: "flow_grpo" (clipped ratio of SDE step log-probs) or "nft" (DiffusionNFT forward-process loss)."""
     nft_beta: float = 1.0
-    """DiffusionNFT: step size beta of the implicit positive/negative policies (objective "nft")."""
+    """DiffusionNFT: step size beta of the implicit positive/negative policies (objective "nft"); the loss's minimum moves v by (2r - 1)(target - v)/beta, so a smaller beta takes larger steps (tiny-shapes: 0.5)."""
     nft_adv_max: float = 2.0
     """DiffusionNFT: advantages are mapped to optimality r = 0.5 + 0.5 clip(A / nft_adv_max, -1, 1) (1 clips a third of the samples' weights, 2 a twentieth)."""
     nft_weighting: Literal["flow", "adaptive"] = "flow"
