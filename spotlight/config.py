@@ -167,7 +167,7 @@ class TrainConfig:
     nft_num_timesteps: int = 3
     """DiffusionNFT: noise levels drawn from the rollout schedule per sample and update."""
     nft_timestep_sampling: Literal["uniform", "stratified"] = "uniform"
-    """DiffusionNFT: how a group's noise levels are drawn from the schedule; uniform: independently; stratified: one from each of nft_num_timesteps equal parts of it (no repeats, less variance)."""
+    """DiffusionNFT: how a group's noise levels are drawn from the schedule; uniform: independently; stratified: one from each of nft_num_timesteps equal parts of it (repeats only across a part boundary; less variance)."""
     autocast: Literal["auto", "none", "bfloat16"] = "auto"
     """Compute dtype of the "nft" update's forwards and backward under torch.autocast (weights, gradients and optimizer stay in model.dtype). auto: bfloat16 on a CUDA GPU with bfloat16, none (float32) on a CPU, where it was measured barely faster (1.12x with AVX512-BF16) or slower (AMX)."""
     num_inner_epochs: int = 1
