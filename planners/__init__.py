@@ -10,6 +10,7 @@ selected groups.
     selection.py  select_contrast, group_variance, captured_variance
     simple.py     NonePlanner, UniformPlanner, GreedyPlanner (baselines)
     bandit.py     BanditPlanner: Thompson sampling on a discounted Beta model, concave-hull greedy
+    families.py   prompt_family: which prompts share the bandit's prior ("shapes_counts", "matches:REGEX")
     oracle.py     OraclePlanner: exact hindsight optimum on known rewards (evaluation only)
     tables.py     reward tables from real runs (JSON / NPZ), a synthetic table, replay
 
@@ -26,6 +27,7 @@ from typing import Any
 
 from planners.bandit import BanditPlanner
 from planners.base import Allocation, Observation, Planner
+from planners.families import FAMILY_PRESETS, prompt_family
 from planners.oracle import OraclePlanner
 from planners.selection import captured_variance, group_variance, select_contrast
 from planners.simple import GreedyPlanner, NonePlanner, UniformPlanner
@@ -61,6 +63,7 @@ def build_planner(name: str, **options: Any) -> Planner:
 
 
 __all__ = [
+    "FAMILY_PRESETS",
     "PLANNERS",
     "Allocation",
     "BanditPlanner",
@@ -75,6 +78,7 @@ __all__ = [
     "captured_variance",
     "group_variance",
     "load_reward_table",
+    "prompt_family",
     "replay",
     "save_reward_table",
     "select_contrast",

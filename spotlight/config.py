@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from planners.families import prompt_family
+
 
 @dataclass
 class ModelConfig:
@@ -222,6 +224,8 @@ class ExploreConfig:
     """Where seeds come from: "none" = G default seeds per prompt (plain GRPO, no Ray); "inline" = explore with the fresh weights before each rollout and wait (the on-critical-path baseline); "stale" = explore the next batch with the current weights while the trainer updates (Spotlight)."""
     planner: Literal["bandit", "uniform", "greedy", "none"] = "bandit"
     """Which prompts to explore and with how many candidates each (see `planners`)."""
+    planner_family: str = "shapes_counts"
+    """Bandit planner: which prompts share a prior (`planners.families`); "" one family, a preset ("shapes_counts": the shapes grammar's count words) or "matches:REGEX"; other planners ignore it."""
     max_candidates: int = 0
     """Most candidate seeds of one prompt (the first G are the default seeds); 0 = 4 * train.group_size."""
     selection: Literal["extremes", "random"] = "extremes"
@@ -330,6 +334,10 @@ class DiTRecipe:
                 f"explore.max_candidates={self.explore.max_candidates} must be > train.group_size={self.train.group_size} "
                 "(the first G candidates are the default seeds: with G or fewer there is nothing to choose)"
             )
+        try:
+            prompt_family(self.explore.planner_family)
+        except ValueError as e:
+            raise ValueError(f"explore.planner_family: {e}") from None
         if self.sample.guidance_scale < 1:
             raise ValueError(f"sample.guidance_scale must be >= 1 (1 disables CFG), got {self.sample.guidance_scale}")
         if not 0 <= self.train.ema_decay < 1:

@@ -70,7 +70,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from planners import Observation, build_planner, group_variance, select_contrast
+from planners import Observation, build_planner, group_variance, prompt_family, select_contrast
 from spotlight.config import DiTRecipe
 from spotlight.sampling import derive_seed
 
@@ -401,7 +401,9 @@ class Exploration:
         self.ecfg = cfg.explore
         self.pool = pool
         self.group_size = cfg.train.group_size
-        self.planner = build_planner(cfg.explore.planner, seed=cfg.train.seed)
+        # Only the bandit keeps a prior per family of prompts (planners/families.py).
+        family = {"family": prompt_family(cfg.explore.planner_family)} if cfg.explore.planner == "bandit" else {}
+        self.planner = build_planner(cfg.explore.planner, seed=cfg.train.seed, **family)
         self.budget_model = BudgetModel(cfg.explore.ema)
         self.log_path = Path(log_path) if log_path is not None else None
         self._guess_samples_per_s = 0.0

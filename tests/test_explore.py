@@ -130,12 +130,25 @@ def test_choose_groups_selects_by_rule_and_names_fallback_causes():
         ({"explore": {"selection": "top"}}, "explore.selection: expected one of 'extremes', 'random'"),
         ({"explore": {"max_candidates": 4}, "train": {"group_size": 4}}, "explore.max_candidates=4 must be > train.group_size=4"),
         ({"explore": {"budget_fraction": 0}}, "explore: budget_fraction must be in (0, 1]"),
+        ({"explore": {"planner_family": "counts"}}, "explore.planner_family: unknown family 'counts'"),
+        ({"explore": {"planner_family": "matches:[a-"}}, "explore.planner_family: family 'matches:[a-': the regex does not compile"),
     ],
 )
 def test_explore_config_errors_name_the_field(override, message):
     with pytest.raises(ValueError) as err:
         from_dict(DiTRecipe, override, source="r.yaml")
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("planner, spec", [("bandit", "shapes_counts"), ("bandit", ""), ("uniform", "shapes_counts")])
+def test_the_bandit_gets_the_recipes_prompt_family(planner, spec):
+    cfg = from_dict(DiTRecipe, {"explore": {"mode": "stale", "planner": planner, "planner_family": spec}})
+    planner_obj = Exploration(cfg, pool=None).planner  # the pool is only used from launch on
+    family = getattr(planner_obj, "family", None)
+    if planner == "bandit" and spec:
+        assert family("two red circles and one blue square") == "one+two"
+    else:
+        assert family is None
 
 
 # ---------------------------------------------------------------------------------------------

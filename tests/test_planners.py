@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from planners import (
     captured_variance,
     group_variance,
     load_reward_table,
+    prompt_family,
     replay,
     save_reward_table,
     select_contrast,
@@ -194,6 +196,49 @@ def test_bandit_prefers_rare_success_over_coin_flip():
         ])
     alloc = planner.plan(["rare", "coin"], 40, group_size=8, max_candidates=32)
     assert alloc["rare"] > alloc["coin"], alloc
+
+
+def test_family_specs_map_prompts_and_bad_specs_name_the_spec():
+    counts = prompt_family("shapes_counts")
+    assert counts("two red circles and one blue square") == "one+two"
+    assert counts("one green square and two yellow triangles") == "one+two"  # a multiset: order does not count
+    assert counts("four blue triangles") == "four"
+    assert counts("a photo of a cat") == ""  # no match: the family of such prompts
+    assert counts("two red circles #3") == "two"  # planner ids of repeated prompts keep their family
+    colours = prompt_family(r"matches:\b(?:red|blue)\b")  # no group: the whole match
+    assert colours("two red circles and one blue square and one red square") == "blue+red+red"
+    assert prompt_family("") is None
+    restored = pickle.loads(pickle.dumps(counts))  # a planner holding it pickles (Ray, checkpoints)
+    assert restored("three red circles") == "three"
+    with pytest.raises(ValueError, match="'shapes'.*shapes_counts.*matches:REGEX"):
+        prompt_family("shapes")
+    with pytest.raises(ValueError, match=r"'matches:\('.*does not compile"):
+        prompt_family("matches:(")
+
+
+def test_bandit_families_send_budget_to_new_prompts_of_the_varied_family():
+    """Family "x" always spreads, family "y" always scores the same: with families, the budget for
+    prompts never seen before goes to x's; with one family for all, they look alike."""
+    rng = np.random.default_rng(0)
+    family = prompt_family("matches:^(x|y)")
+    with_f, one = BanditPlanner(seed=0, family=family), BanditPlanner(seed=0)
+    for k in range(6):
+        obs = [Observation(f"x{k}.{i}", rng.random(16), k) for i in range(4)]
+        obs += [Observation(f"y{k}.{i}", np.full(16, 0.6), k) for i in range(4)]
+        with_f.observe(obs)
+        one.observe(obs)
+    new = ["x-new-1", "y-new-1", "x-new-2", "y-new-2"]
+    plan_f = with_f.plan(new, 80, group_size=4, max_candidates=40)
+    on_x = plan_f["x-new-1"] + plan_f["x-new-2"]
+    assert on_x >= 70 and plan_f["y-new-1"] + plan_f["y-new-2"] <= 10, plan_f
+    # One family: the pooled prior is the same for every new prompt, so neither side gets
+    # nearly all of it (over several plans, to average the Thompson draws out).
+    shares = []
+    for k in range(6, 12):
+        one.observe([Observation("z", rng.random(16), k)])  # moves the draws' seed
+        plan = one.plan(new, 80, group_size=4, max_candidates=40)
+        shares.append((plan["x-new-1"] + plan["x-new-2"]) / max(1, plan.total()))
+    assert 0.2 < np.mean(shares) < 0.8, shares
 
 
 def test_state_dict_round_trip_gives_identical_plans():
