@@ -29,8 +29,9 @@ are weak evidence of a small phi, and all-equal rewards at a mean near 1/2 stron
 Prior and unseen prompts. In real runs prompts recur rarely (the tiny recipe draws 8 of 1,768
 per iteration), so many prompts are unseen. Their prior (m0, phi0) is learned from every
 observation (empirical Bayes): the discounted mean reward and pooled dispersion of the prompt's
-family (`family(prompt)`, default: all prompts form one family), shrunk in turn towards the
-uniform distribution (m0 = 1/2, phi0 = 1/3).
+family (`family(prompt)`, default: all prompts form one family; `planners.families` builds
+them from a recipe's `explore.planner_family`), shrunk in turn towards the uniform distribution
+(m0 = 1/2, phi0 = 1/3).
 
 Exploration. Thompson sampling (Thompson 1933; with discounting, Raj & Kalyani 2017): each plan
 draws mu_p from Beta(mu W', (1 - mu) W') with W' = (k + W) / phi (W rewards of dispersion phi
