@@ -42,9 +42,8 @@ def main() -> None:
 
     table = load_reward_table(args.table) if args.table else synthetic_reward_table(seed=args.seed)
     group_size = args.group_size or table.group_size or 8
-    names = ("bandit", "uniform", "greedy", "none")
-    planners = {name: build_planner(name, seed=args.seed) for name in names}
-    planners["bandit"] = build_planner("bandit", seed=args.seed, family=prompt_family(args.family))
+    planners = {"bandit": build_planner("bandit", seed=args.seed, family=prompt_family(args.family))}
+    planners |= {name: build_planner(name, seed=args.seed) for name in ("uniform", "greedy", "none")}
     planners["bandit_one_family"] = build_planner("bandit", seed=args.seed)
     result = replay(table, planners, group_size=group_size, budget_fraction=args.budget_fraction)
     captured = result.captured

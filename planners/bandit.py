@@ -81,7 +81,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from scipy.special import betaincinv
 
 from planners.base import Observation, Planner, plan_rng
 
@@ -272,6 +271,10 @@ def expected_selected_variance(mean_P: np.ndarray, var_P: np.ndarray, sel_JMG: n
     live = var_P > _MIN_VAR
     if not live.any():
         return out
+    # Imported here: scipy.special takes ~0.25 s to import, and `spotlight.config` imports `planners`
+    # (to check explore.planner_family) for every command, most of which never plan.
+    from scipy.special import betaincinv
+
     m, v = mean_P[live], var_P[live]
     nu = np.minimum(m * (1 - m) / v - 1, 1e7)  # Beta(a, b): a + b = nu
     q_PL = betaincinv((m * nu)[:, None], ((1 - m) * nu)[:, None], _LEVELS[None, :])

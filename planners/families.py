@@ -46,19 +46,11 @@ class MatchesFamily:
         self._regex = re.compile(pattern)
 
     def __call__(self, prompt: str) -> str:
-        found = []
-        for m in self._regex.finditer(prompt):
-            found.append(m.group(1) if self._regex.groups else m.group(0))
-        return "+".join(sorted(found))
+        group = 1 if self._regex.groups else 0
+        return "+".join(sorted(m.group(group) for m in self._regex.finditer(prompt)))
 
     def __repr__(self) -> str:
         return f"MatchesFamily({self.pattern!r})"
-
-    def __getstate__(self) -> dict:
-        return {"pattern": self.pattern}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["pattern"])
 
 
 def prompt_family(spec: str) -> Callable[[str], str] | None:
