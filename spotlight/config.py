@@ -178,8 +178,8 @@ class TrainConfig:
     """Samples per optimizer step (gradients accumulate over the minibatch's trained steps or noise levels)."""
     seed: int = 0
     """Run seed: prompts, trajectory seeds and minibatch order derive from it."""
-    max_minutes: float = 13.5
-    """Stop after this much training time (checked between iterations); 0 = no limit."""
+    max_minutes: float = 14.25
+    """Training time budget: stop before an iteration predicted (the slowest of the last 5) to end after it; 0 = no limit."""
     num_threads: int = 0
     """torch CPU threads; 0 keeps torch's default."""
 
@@ -344,6 +344,8 @@ class DiTRecipe:
             raise ValueError(f"train.ema_decay must be in [0, 1) (0: no moving average), got {self.train.ema_decay}")
         if self.train.lr_warmup_steps < 0:
             raise ValueError(f"train.lr_warmup_steps must be >= 0, got {self.train.lr_warmup_steps}")
+        if self.train.max_minutes < 0:
+            raise ValueError(f"train.max_minutes must be >= 0 (0: no limit), got {self.train.max_minutes}")
         if self.train.objective == "flow_grpo" and self.sample.noise_level <= 0:
             raise ValueError(
                 "train.objective 'flow_grpo' trains on the log-probs of stochastic steps, so sample.noise_level "

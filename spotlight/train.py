@@ -35,6 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from spot.cost import CostLedger, spot_gpus_held
+from spotlight.budget import IterationBudget
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
@@ -208,12 +209,13 @@ def _train(
         console.print(f"train.autocast=auto: the update's forwards and backward run in {trainer.autocast} (train.autocast=none for float32)")
     history: list[dict] = []
     last_ckpt: Path | None = latest
-    began = time.monotonic()
+    budget = IterationBudget(cfg.train.max_minutes)
     columns = [TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
     tracking = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) if dp.is_main else nullcontext()
     with tracking as tracker, Progress(*columns, console=console) as bar:
         task = bar.add_task("", total=cfg.train.num_iterations, completed=start_iter)
         for it in range(start_iter, cfg.train.num_iterations):
+            budget.starts()
             t0 = time.monotonic()
             # 1. Rollout: G seeded trajectories per prompt with the current weights; with
             #    exploration, a prompt's seeds may be a high-contrast subset of its explored candidates.
@@ -299,8 +301,9 @@ def _train(
                 tracker.log(metrics, step=step)
                 if firsts is not None:
                     tracker.log_images("rollout", firsts, prompts[::G][:16], step=step, nrow=4)
-            # Rank 0's clock decides for every rank, so that all of them stop after the same iteration.
-            out_of_time = dp.broadcast_object(bool(cfg.train.max_minutes and time.monotonic() - began > 60 * cfg.train.max_minutes))
+            # Stop before an iteration that would end after train.max_minutes. Rank 0's clock
+            # decides for every rank, so that all of them stop after the same iteration.
+            out_of_time = step < cfg.train.num_iterations and dp.broadcast_object(not budget.next_fits())
             if step % cfg.log.checkpoint_every == 0 or step == cfg.train.num_iterations or out_of_time:
                 state = gather_train_state(dp, policy, trainer.optimizer)  # under FSDP, a collective
                 ema = None
@@ -312,11 +315,11 @@ def _train(
                     last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith(("time/", "cost/"))}, *state, ema)
             bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
             if out_of_time:
-                console.print(f"train.max_minutes={cfg.train.max_minutes} reached after iteration {step}")
+                console.print(f"train.max_minutes={cfg.train.max_minutes}: iteration {step + 1} would not end in time; stopping after {step}")
                 break
 
     charge_cost()  # the last checkpoint's time
-    summary = _summary(history, start_iter, time.monotonic() - began, last_ckpt)
+    summary = _summary(history, start_iter, budget.elapsed_s(), last_ckpt)
     if ledger is None:
         return summary
     summary["usd_total"] = round(ledger.summary()["usd_total"], 4)

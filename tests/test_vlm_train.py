@@ -239,3 +239,14 @@ def test_new_train_fields_default_off_and_are_validated():
         load_config(VLMRecipe, None, ["train.clip_range_high=-0.1"])
     with pytest.raises(ValueError, match="refill_prompts"):
         load_config(VLMRecipe, None, ["train.refill_prompts=-1"])
+
+
+def test_max_minutes_stops_before_the_iteration_that_would_overrun(base, tmp_path):
+    run = tmp_path / "run"
+    minutes = 0.1  # 6 s: a few tiny iterations, far fewer than the 500 asked for
+    summary = run_training(_recipe(base, "train.num_iterations=500", f"train.max_minutes={minutes}"), run, progress=False)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert 1 <= summary["iterations"] == len(rows) < 500
+    assert load_checkpoint(run).step == len(rows)  # the last iteration done is checkpointed
+    # Its iterations fit the budget (one second of slack for a noisy machine).
+    assert sum(r["time/iteration_s"] for r in rows) <= 60 * minutes + 1.0

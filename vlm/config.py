@@ -177,7 +177,7 @@ class TrainConfig:
     seed: int = 0
     """Run seed: examples, sampling seeds and minibatch order derive from it."""
     max_minutes: float = 14.0
-    """Stop after this much training time (checked between iterations); 0 = no limit."""
+    """Training time budget: stop before an iteration predicted (the slowest of the last 5) to end after it; 0 = no limit."""
     num_threads: int = 0
     """torch CPU threads; 0 keeps torch's default."""
     schedule: Literal["serial", "rollplex"] = "rollplex"
@@ -196,6 +196,8 @@ class TrainConfig:
             raise ValueError(f"train.clip_range_high must be >= 0 (0: equal to clip_range), got {self.clip_range_high}")
         if self.lr_warmup_steps < 0:
             raise ValueError(f"train.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.max_minutes < 0:
+            raise ValueError(f"train.max_minutes must be >= 0 (0: no limit), got {self.max_minutes}")
 
 
 @dataclass

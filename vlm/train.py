@@ -45,6 +45,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from spotlight.budget import IterationBudget
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
@@ -421,12 +422,13 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
         console.print(f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {num_rollout * G} samples on rank 0")
     history: list[dict] = []
     last_ckpt: Path | None = latest
-    began = time.monotonic()
+    budget = IterationBudget(tc.max_minutes)
     columns = [TextColumn("[bold]VLM GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
     tracking = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) if dp.is_main else contextlib.nullcontext()
     with tracking as tracker, Progress(*columns, console=console) as bar:
         task = bar.add_task("", total=tc.num_iterations, completed=start_iter)
         for it in range(start_iter, tc.num_iterations):
+            budget.starts()
             t0 = time.monotonic()
             # 1. Rollout: G seeded responses per prompt with the current weights; each rank samples
             #    its rows. All P prompts are encoded together, so the left padding is the one-process one.
@@ -505,17 +507,18 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
                 metrics.update({f"eval/{k}": v for k, v in summary.items() if k.startswith("accuracy") or k == "format_rate"})
             if dp.is_main:
                 tracker.log(metrics, step=step)
-            # Rank 0's clock decides for every rank, so that all of them stop after the same iteration.
-            out_of_time = dp.broadcast_object(bool(tc.max_minutes and time.monotonic() - began > 60 * tc.max_minutes))
+            # Stop before an iteration that would end after train.max_minutes. Rank 0's clock
+            # decides for every rank, so that all of them stop after the same iteration.
+            out_of_time = step < tc.num_iterations and dp.broadcast_object(not budget.next_fits())
             if step % cfg.log.checkpoint_every == 0 or step == tc.num_iterations or out_of_time:
                 last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith("time/")}) or last_ckpt
             bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
             if out_of_time:
-                console.print(f"train.max_minutes={tc.max_minutes} reached after iteration {step}")
+                console.print(f"train.max_minutes={tc.max_minutes}: iteration {step + 1} would not end in time; stopping after {step}")
                 break
 
     schedule.close()
-    summary = _summary(history, start_iter, time.monotonic() - began, last_ckpt)
+    summary = _summary(history, start_iter, budget.elapsed_s(), last_ckpt)
     _print_summary(console, summary)
     return summary
 

@@ -1,0 +1,93 @@
+"""`train.max_minutes`: stop before an iteration that would end after the budget, in both trainers."""
+
+from __future__ import annotations
+
+import pytest
+
+from spotlight.budget import IterationBudget
+from spotlight.checkpoint import load_checkpoint
+from spotlight.cli import main
+from spotlight.config import DiTRecipe
+from spotlight.config_io import load_config
+from spotlight.tracking import read_metrics
+from test_cli import tiny_overrides
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def iterations_within(budget: IterationBudget, clock: FakeClock, durations: list[float]) -> int:
+    """Runs iterations of the given durations (cycled) until the budget says stop; returns how many ran."""
+    done = 0
+    while True:
+        budget.starts()
+        clock.t += durations[done % len(durations)]
+        done += 1
+        if not budget.next_fits():
+            return done
+
+
+def test_steady_iterations_fill_the_budget_without_passing_it():
+    clock = FakeClock()
+    budget = IterationBudget(1.0, clock=clock)
+    # 10-second iterations: the sixth ends at exactly 60 s, and a seventh would end at 70 s.
+    assert iterations_within(budget, clock, [10.0]) == 6
+    assert clock.t == 60.0
+    # The old rule (stop once the time has run out) would have started a seventh at 60 s.
+
+
+def test_a_periodic_slow_iteration_is_predicted_and_never_overruns():
+    clock = FakeClock()
+    budget = IterationBudget(1.0, clock=clock)
+    # Every third iteration checkpoints and takes 16 s: the prediction is the slowest of the last five.
+    n = iterations_within(budget, clock, [10.0, 10.0, 16.0])
+    assert clock.t <= 60.0
+    assert n == 4 and clock.t == 46.0  # a fifth could take 16 s: 62 > 60
+    # One slow iteration that left the window no longer counts.
+    clock2 = FakeClock()
+    budget2 = IterationBudget(2.0, window=2, clock=clock2)
+    assert iterations_within(budget2, clock2, [30.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0]) == 10
+    assert clock2.t == 120.0
+
+
+def test_no_limit_and_bad_values():
+    clock = FakeClock()
+    budget = IterationBudget(0.0, clock=clock)
+    clock.t = 1e9
+    assert budget.next_fits()
+    with pytest.raises(ValueError, match="max_minutes"):
+        IterationBudget(-1.0)
+    with pytest.raises(ValueError, match="window"):
+        IterationBudget(1.0, window=0)
+
+
+@pytest.mark.parametrize("command", [["config", "configs/dit/tiny-shapes.yaml"], ["vlm", "config", "configs/vlm/tiny-count.yaml"]])
+def test_negative_budget_is_refused_naming_the_field(capsys, command):
+    assert main([*command, "train.max_minutes=-1"]) == 2
+    assert "train.max_minutes" in capsys.readouterr().err
+
+
+def test_recipe_budget_leaves_room_for_start_up_within_15_minutes():
+    # The main job's goal is a 15-minute run: start-up and the last checkpoint take 10-20 s on 2 cores.
+    assert load_config(DiTRecipe, "configs/dit/tiny-shapes.yaml").train.max_minutes <= 14.5
+
+
+def test_train_stops_before_the_iteration_that_would_overrun(tiny_model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    minutes = 0.1  # 6 s: a few tiny iterations, far fewer than the 500 asked for
+    code = main(["train", *tiny_overrides(tiny_model_dir, 500), f"train.max_minutes={minutes}", "--run-dir", str(run_dir)])
+    assert code == 0
+    out = capsys.readouterr().out
+    rows = read_metrics(run_dir)
+    assert 1 <= len(rows) < 500
+    assert f"iteration {len(rows) + 1} would not end in time" in out
+    # The last iteration done is checkpointed, so a longer budget resumes from it.
+    assert load_checkpoint(run_dir).step == len(rows)
+    # The iterations themselves fit the budget (the prediction is the slowest of the last five;
+    # a slack of one second for start-up of the loop and a noisy machine).
+    assert sum(r["time/iteration_s"] for r in rows) <= 60 * minutes + 1.0
