@@ -247,3 +247,24 @@ def test_push_re_pushes_a_lost_workers_jobs_to_the_workers_ready():
     assert res.end_s == pytest.approx(6 + 6 + 4 + 6)
     with pytest.raises(ValueError, match="scheduler"):
         c.run_phase(jobs(1), 6, pools=(True,), scheduler="round-robin")
+
+
+def test_the_bandit_gets_the_setups_prompt_family(monkeypatch, capsys):
+    from spot.sim import policies
+    from spotlight.cli import main
+
+    seen = []
+    real = policies.build_planner
+    # A spy on the real factory (the planner it builds runs the simulation unchanged).
+    monkeypatch.setattr(policies, "build_planner", lambda name, **kw: seen.append((name, kw)) or real(name, **kw))
+    simulate("spotlight", setup(planner_family=r"matches:\d$"))
+    name, kw = seen[-1]
+    assert name == "bandit" and kw["family"]("prompt-034") == "4"
+    simulate("spotlight", setup())
+    assert seen[-1][1]["family"] is None  # "": one family
+    simulate("spotlight", setup(planner="uniform", planner_family="shapes_counts"))
+    assert "family" not in seen[-1][1]  # only the bandit has families
+    with pytest.raises(ValueError, match="planner_family"):
+        setup(planner_family="matches:(")
+    assert main(["simulate", "--synthetic", "--planner-family", "no_such_preset", "--json"]) == 2
+    assert "planner_family" in capsys.readouterr().err

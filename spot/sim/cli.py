@@ -35,6 +35,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--baseline-gpus", type=int, help="on-demand GPUs of ondemand / inline (default: trainer + spot)")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}")
     p.add_argument("--planner", default="bandit", help="exploration planner (bandit, uniform, greedy)")
+    p.add_argument("--planner-family", default="", metavar="SPEC",
+                   help="the bandit's prompt families, as explore.planner_family: '' (one), shapes_counts, matches:REGEX")
     p.add_argument("--reward-table", type=Path, help="reward table of a real run (.npz/.json); default: a synthetic one")
     p.add_argument("--on-demand-price", type=float, default=4.0, help="USD per on-demand GPU-hour (default 4.0)")
     p.add_argument("--spot-discount", type=float, default=0.7, help="spot price = on-demand x (1 - discount) (default 0.7)")
@@ -101,6 +103,7 @@ def build_setup(args: argparse.Namespace):
         spot_prices=load_spot_prices(args.spot_price_history) if args.spot_price_history else None,
         spot_discount=args.spot_discount,
         planner=args.planner,
+        planner_family=args.planner_family,
         elastic=not args.no_elastic,
         handoff=not args.no_handoff,
         seed=args.seed,

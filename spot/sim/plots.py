@@ -26,6 +26,7 @@ def write_outputs(out_dir: str | Path, results: dict[str, PolicyResult], setup: 
         "on_demand_usd_per_gpu_hour": setup.on_demand_usd_per_gpu_hour,
         "spot_discount": None if setup.spot_prices else setup.spot_discount,
         "planner": setup.planner,
+        "planner_family": setup.planner_family,
         "elastic": setup.elastic,
         "reward_table": setup.table.source,
         "policies": compare(results),

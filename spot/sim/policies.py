@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planners import Observation, RewardTable, build_planner, captured_variance
+from planners import Observation, RewardTable, build_planner, captured_variance, prompt_family
 from spot.cost import cost_usd
 from spot.jobqueue import Job
 from spot.sim.engine import Cluster, EventLoop
@@ -62,6 +62,8 @@ class Setup:
     """[[t_s, usd_per_gpu_hour], ...] from the run's start; None: on-demand x (1 - spot_discount)."""
     spot_discount: float = 0.7
     planner: str = "bandit"
+    planner_family: str = ""
+    """The bandit's prompt families (a `planners.prompt_family` spec, as `explore.planner_family`); "": one."""
     elastic: bool = True
     handoff: bool = True
     seed: int = 0
@@ -75,6 +77,10 @@ class Setup:
             )
         if self.trainer_gpus < self.profile.min_sp_degree or self.baseline_gpus < self.profile.min_sp_degree:
             raise ValueError(f"need at least min_sp_degree={self.profile.min_sp_degree} on-demand GPUs")
+        try:
+            prompt_family(self.planner_family)
+        except ValueError as err:
+            raise ValueError(f"planner_family: {err}") from None
         if not 0 <= self.spot_discount < 1:
             raise ValueError(f"spot_discount must be in [0, 1), got {self.spot_discount}")
 
@@ -157,7 +163,9 @@ def simulate(policy: str, setup: Setup, *, progress_cb=None) -> PolicyResult:
     )
     learning = Learning(setup.table, p)
     explores = policy in ("inline", "spotlight")
-    planner = build_planner(setup.planner, seed=setup.seed) if explores else None
+    # Only the bandit keeps a prior per family of prompts (as `spotlight.explore.Exploration`).
+    family = {"family": prompt_family(setup.planner_family)} if setup.planner == "bandit" else {}
+    planner = build_planner(setup.planner, seed=setup.seed, **family) if explores else None
     pools = {"ondemand": (False,), "inline": (False,), "spotlight": (False, True), "disaggregated": (True,)}[policy]
     retention = p.stale_retention if policy == "spotlight" else 1.0
     update_s = p.update_gpu_s / trainer_gpus
