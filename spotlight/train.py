@@ -45,7 +45,7 @@ from spotlight.distributed import (
 )  # fmt: skip
 from spotlight.evaluate import evaluate
 from spotlight.explore import (
-    Exploration, WeightsSource, publishes_before_rollout, publishes_before_update, start_exploration,
+    Exploration, publishes_before_rollout, publishes_before_update, start_exploration,
 )  # fmt: skip
 from spotlight.grpo import group_advantages
 from spotlight.mirror import CheckpointMirror
@@ -186,16 +186,16 @@ def _train(
         if ledger is not None:
             ledger.charge(spot_gpus=spot_gpus_held() if exploration is not None else 0)
 
-    def explore_weights(needed: bool) -> WeightsSource:
-        """The current trainable weights for the explorers, as `Exploration` takes them."""
+    def explore_weights(needed: bool) -> LocalWeightsSource | ShardedWeightsSource:
+        """The current trainable weights for the explorers, as `Exploration` takes them. Call its
+        `settle()` on every rank after `Exploration` has had its chance to call it."""
         if dp.sharded:
-            # Rank 0 holds only its shards: when the explorers may need the weights, every rank
-            # takes part in gathering them whole to rank 0's CPU (the other ranks get None).
-            full = gather_trainable_weights(dp, policy) if needed else None
-            return lambda: full
+            # Rank 0 holds only its shards: every rank must join the gather, but only when rank
+            # 0's planner has candidates to sample (ShardedWeightsSource).
+            return ShardedWeightsSource(dp, policy, needed)
         # One process or full replicas: copied only if a candidate is planned, and to the CPU, so
         # that the optimizer step that follows does not change what the explorers load.
-        return lambda: {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(policy).items()}
+        return LocalWeightsSource(policy)
 
     lo, hi = dp.shard(P * G)  # this rank's samples of every iteration (all of them in one process)
     # Under FSDP every rank rolls out as many samples (sizes differ by at most one): repeats of its last.
@@ -220,9 +220,10 @@ def _train(
             # 1. Rollout: G seeded trajectories per prompt with the current weights; with
             #    exploration, a prompt's seeds may be a high-contrast subset of its explored candidates.
             prompts, seeds, sde_steps = plan_iteration(cfg, train_prompts, it)
-            weights = explore_weights(publishes_before_rollout(cfg.explore.mode, it))  # θ_k, for inline exploration
+            inline_weights = explore_weights(publishes_before_rollout(cfg.explore.mode, it))  # θ_k, for inline exploration
             if exploration is not None:
-                seeds = exploration.seeds_for(it, weights, prompts[::G], seeds, sde_steps)
+                seeds = exploration.seeds_for(it, inline_weights, prompts[::G], seeds, sde_steps)
+            inline_weights.settle()
             if cfg.explore.mode != "none":
                 seeds = dp.broadcast_object(seeds)  # only rank 0 holds the explorers
             t_ro = time.monotonic()
@@ -251,9 +252,10 @@ def _train(
             t2 = time.monotonic()
             # 4. Stale exploration: publish θ_k, explore the next batch with it during the update.
             nxt = plan_iteration(cfg, train_prompts, it + 1) if it + 1 < cfg.train.num_iterations else None
-            weights = explore_weights(publishes_before_update(cfg.explore.mode, nxt is not None))  # θ_k, before the update
+            stale_weights = explore_weights(publishes_before_update(cfg.explore.mode, nxt is not None))  # θ_k, before the update
             if exploration is not None:
-                exploration.launch(it, weights, reward.total_B, seeds, t2 - t_ro, nxt)
+                exploration.launch(it, stale_weights, reward.total_B, seeds, t2 - t_ro, nxt)
+            stale_weights.settle()
             t_up = time.monotonic()
             # 5. Policy update on the stochastic steps.
             stats = trainer.update(ro, adv, it)
@@ -277,6 +279,8 @@ def _train(
                 "time/update_s": t3 - t_up,
                 **encoder.metrics(),
                 **(exploration.metrics() if exploration is not None else {}),
+                # Weights copied (gathered, under FSDP) for the explorers: only for a window with candidates.
+                **({"explore/weights_copies": inline_weights.copies + stale_weights.copies} if exploration is not None else {}),
                 "time/iteration_s": time.monotonic() - t0,
             }
             step = it + 1
@@ -325,6 +329,58 @@ def _train(
     summary["usd_total"] = round(ledger.summary()["usd_total"], 4)
     _print_summary(console, summary)
     return summary
+
+
+class LocalWeightsSource:
+    """The trainable weights for the explorers, copied to the CPU when called (one process or full
+    replicas): the optimizer step that follows does not change what the explorers load."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.copies = 0
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        self.copies += 1
+        return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.policy).items()}
+
+    def settle(self) -> None:
+        pass  # nothing to join: no other rank takes part
+
+
+class ShardedWeightsSource:
+    """The full trainable weights for the explorers under FSDP, gathered only when they are used.
+
+    Gathering is a collective, but only rank 0 holds the explorers and knows whether its planner
+    gave them candidates (with no live explorer, or a budget below a group, it does not). So rank
+    0's call (from inside `Exploration`, only when there are jobs) first tells the other ranks
+    "gather" and then gathers; `settle()`, which every rank calls once `Exploration` is done,
+    tells them "no gather" if no call came, and on the other ranks listens and joins the gather
+    when told. Every rank thus runs the same collectives in the same order: one broadcast, then
+    the gather or nothing. With `needed` False (no window can open) nothing is exchanged at all.
+    """
+
+    def __init__(self, dp, policy, needed: bool):
+        self.dp, self.policy, self.needed = dp, policy, needed
+        self.copies = 0  # gathers: 0 or 1
+        self._full: dict[str, torch.Tensor] | None = None
+
+    def __call__(self) -> dict[str, torch.Tensor] | None:
+        assert self.needed and self.dp.is_main, "only rank 0's explorers take the weights, and only when a window may open"
+        if not self.copies:
+            self.dp.broadcast_object(True)
+            self._full = gather_trainable_weights(self.dp, self.policy)
+            self.copies = 1
+        return self._full
+
+    def settle(self) -> None:
+        if not self.needed:
+            return
+        if self.dp.is_main:
+            if not self.copies:
+                self.dp.broadcast_object(False)
+        elif self.dp.broadcast_object(None):
+            gather_trainable_weights(self.dp, self.policy)
+            self.copies = 1
 
 
 def _first(ro: Rollout, num: int) -> Rollout:

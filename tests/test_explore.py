@@ -225,6 +225,9 @@ def test_stale_mode_from_the_cli(tiny_model_dir, tmp_path):
         if row["version"] is not None:
             assert row["version"] == row["iteration"] - 1 and r["explore/staleness"] == 1
         assert "time/explore_s" in r and "time/iteration_s" in r
+    # The weights are copied for the explorers only for a window with candidates (batch k's at iteration k - 1).
+    planned = {row["iteration"] for row in log if any(slot["planned"] for slot in row["slots"])}
+    assert [r["explore/weights_copies"] for r in rows] == [int(r["step"] in planned) for r in rows]
     from spotlight.checkpoint import load_checkpoint
 
     meta = load_checkpoint(run_dir).meta["explore"]

@@ -217,3 +217,26 @@ def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ra
         checked += len(logged)
     if mode == "inline":
         assert checked > 0, "inline exploration never ran"
+    # The weights were gathered for exactly the windows that had candidates (once each).
+    copies = {r["step"] - 1: r["explore/weights_copies"] for r in read_metrics(run)}
+    planned = {row["iteration"] for row in rows if any(slot["planned"] for slot in row["slots"])}
+    opened = {k if mode == "inline" else k - 1 for k in planned}  # the iteration that gathered for batch k
+    assert opened or mode == "stale"
+    assert {k for k, n in copies.items() if n} == opened
+    assert set(copies.values()) <= {0, 1}
+
+
+def test_fsdp_gathers_no_weights_when_nothing_is_planned(tiny_model_dir, ray_address, tmp_path):
+    """With a budget below one group the planner gives the explorers nothing, so no rank gathers
+    the weights; the ranks still agree on every collective (the run would hang otherwise)."""
+    run = tmp_path / "run"
+    overrides = [
+        *fsdp_overrides(tiny_model_dir, 3), f"explore.ray_address={ray_address}", "explore.mode=stale",
+        "explore.budget_fraction=1e-6",
+    ]  # fmt: skip
+    proc = launch(cpu_fsdp_config(tmp_path / "cpu-fsdp.yaml"), "train", *overrides, "--run-dir", str(run), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "explorer(s) ready" in proc.stdout and "fsdp: transformer sharded over 2 ranks" in proc.stdout
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["explore/weights_copies"] for r in rows] == [0, 0, 0]
