@@ -14,8 +14,18 @@ plus per-mode details (iterations and seconds to target, final evaluation, media
 fallbacks). The modes run one after another; this machine's load drifts, so also compare
 `critical_path_ratio` with a rerun.
 
+`--repeats R` runs every mode R times (the order of the modes reversed on every other repeat, so
+that drift of a shared machine hits them alike). `stale` is not deterministic (which candidates
+come back within a window depends on timing), so one run of it cannot tell a speed-up from luck.
+The speed-ups are then the ratios of the mean seconds to target over the repeats, and null unless
+every repeat of both modes reached the target; `reached` counts the repeats that did, and
+`speedup_per_repeat` gives each repeat's ratios. `critical_path_ratio` is the ratio of the mean
+median iteration times.
+
     .venv/bin/python benchmarks/time_to_target.py                       # target: base + 0.03
     .venv/bin/python benchmarks/time_to_target.py --target 0.43 --minutes 8 explore.num_spot_nodes=1
+    .venv/bin/python benchmarks/time_to_target.py --minutes 5 --gain 0.05 --modes none,stale --repeats 2 \
+        explore.num_spot_nodes=1 train.num_threads=1
 """
 
 from __future__ import annotations
@@ -75,6 +85,37 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
+def mean_if_all(values: list[float | None]) -> float | None:
+    """The mean, or None if any value is None (a repeat that never reached the target) or none given."""
+    return statistics.fmean(values) if values and all(v is not None for v in values) else None
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """The speed-ups and critical-path ratio over the repeats of each mode (`run_mode` results)."""
+
+    def seconds(mode: str) -> list[float | None]:
+        return [r["seconds"] for r in runs.get(mode, [])]
+
+    def iteration_s(mode: str) -> float | None:
+        return mean_if_all([r["median_iteration_s"] for r in runs.get(mode, [])])
+
+    def at(mode: str, rep: int) -> float | None:
+        rs = runs.get(mode, [])
+        return rs[rep]["seconds"] if rep < len(rs) else None
+
+    per_repeat = [
+        {"stale_vs_none": ratio(at("none", k), at("stale", k)), "stale_vs_inline": ratio(at("inline", k), at("stale", k))}
+        for k in range(max((len(rs) for rs in runs.values()), default=0))
+    ]
+    return {
+        "speedup_wall_stale_vs_none": ratio(mean_if_all(seconds("none")), mean_if_all(seconds("stale"))),
+        "speedup_wall_stale_vs_inline": ratio(mean_if_all(seconds("inline")), mean_if_all(seconds("stale"))),
+        "critical_path_ratio": ratio(iteration_s("stale"), iteration_s("none")),
+        "reached": {mode: sum(r["reached"] for r in rs) for mode, rs in runs.items()},
+        "speedup_per_repeat": per_repeat,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
@@ -85,6 +126,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-seeds", type=int, default=8)
     parser.add_argument("--modes", default="none,stale,inline")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every mode (stale is not deterministic)")
     args = parser.parse_args()
 
     base_overrides = [
@@ -102,25 +144,22 @@ def main() -> None:
         base_eval = summary["mean_reward"]
         target = round(base_eval + args.gain, 4)
 
-    results = {}
+    modes = args.modes.split(",")
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="time-to-target-") as tmp:
-        for mode in args.modes.split(","):
-            results[mode] = run_mode(load_config(DiTRecipe, args.recipe, base_overrides), mode, target, Path(tmp))
-            print(f"{mode}: {results[mode]}", file=sys.stderr)
+        for rep in range(args.repeats):
+            for mode in modes if rep % 2 == 0 else modes[::-1]:
+                result = run_mode(load_config(DiTRecipe, args.recipe, base_overrides), mode, target, Path(tmp) / f"r{rep}")
+                runs[mode].append(result)
+                print(f"{mode} #{rep}: {result}", file=sys.stderr)
 
-    def seconds(mode: str) -> float | None:
-        return results.get(mode, {}).get("seconds")
-
-    none_it = results.get("none", {}).get("median_iteration_s")
-    stale_it = results.get("stale", {}).get("median_iteration_s")
     print(json.dumps({
-        "speedup_wall_stale_vs_none": ratio(seconds("none"), seconds("stale")),
-        "speedup_wall_stale_vs_inline": ratio(seconds("inline"), seconds("stale")),
-        "critical_path_ratio": ratio(stale_it, none_it),
+        **summarize(runs),
         "target": target,
         "base_eval": base_eval,
         "minutes_per_mode": args.minutes,
-        "modes": results,
+        "repeats": args.repeats,
+        "modes": {mode: rs[0] if len(rs) == 1 else rs for mode, rs in runs.items()},
     }))  # fmt: skip
 
 

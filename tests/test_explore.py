@@ -352,3 +352,16 @@ def test_time_to_target_counts_training_time_only():
     assert module.time_to_target(rows, 0.45) == {"reached": True, "iterations": 4, "seconds": 10.0}
     assert module.time_to_target(rows, 0.41) == {"reached": True, "iterations": 2, "seconds": 5.0}
     assert module.time_to_target(rows, 0.5)["reached"] is False
+    # Over repeats: mean seconds to target; null when any repeat of either mode missed it.
+    def result(seconds, iteration_s=1.0):
+        return {"reached": seconds is not None, "seconds": seconds, "median_iteration_s": iteration_s}
+
+    runs = {"none": [result(100.0), result(110.0)], "stale": [result(50.0, 1.02), result(60.0, 1.0)]}
+    out = module.summarize(runs)
+    assert out["speedup_wall_stale_vs_none"] == round(105.0 / 55.0, 3)
+    assert out["critical_path_ratio"] == 1.01 and out["reached"] == {"none": 2, "stale": 2}
+    assert out["speedup_per_repeat"] == [{"stale_vs_none": 2.0, "stale_vs_inline": None}, {"stale_vs_none": 1.833, "stale_vs_inline": None}]
+    runs["stale"][1] = result(None)
+    out = module.summarize(runs)
+    assert out["speedup_wall_stale_vs_none"] is None and out["reached"]["stale"] == 1
+    assert out["speedup_per_repeat"][1]["stale_vs_none"] is None
