@@ -35,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from spot.cost import CostLedger, spot_gpus_held
-from spotlight.budget import IterationBudget
+from spotlight.time_budget import IterationBudget
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict

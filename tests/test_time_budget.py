@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spotlight.budget import IterationBudget
+from spotlight.time_budget import IterationBudget
 from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
 from spotlight.config import DiTRecipe
