@@ -148,8 +148,8 @@ class TrainConfig:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
-    ema_decay: float = 0.0
-    """Exponential moving average of the trainable weights, per optimizer step (0: off); checkpoints then hold it too and `spotlight eval`/`sample` use it. Rollouts always use the trained weights."""
+    ema_decay: float = 0.95
+    """Exponential moving average of the trainable weights, per optimizer step (0: off); checkpoints then hold it too and `spotlight eval`/`sample` use it (`--weights raw`: the trained ones). Rollouts always use the trained weights."""
     clip_range: float = 0.2
     """PPO ratio clip epsilon (Flow-GRPO uses 1e-4 at scale; the tiny model needs larger steps)."""
     adv_clip: float = 5.0

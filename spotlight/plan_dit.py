@@ -222,6 +222,9 @@ def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_
     copies = []
     if tc.beta > 0 and not layout.lora_rank:
         copies.append(Term("weights", "KL reference copy (frozen)", base, "full fine-tune with train.beta > 0: a frozen copy"))
+    if tc.ema_decay > 0:
+        copies.append(Term("weights", "moving average (train.ema_decay)", trained * 4 / k if k > 1 else trained * t_bytes,
+                           f"a copy of the {_count(trained)} trained params" + (f" (fp32 shards) / {k}" if k > 1 else "")))
     num_steps = tc.num_inner_epochs * math.ceil(num_samples / tc.minibatch_size)
     if tc.objective == "nft" and num_steps > 1:
         copies.append(Term("weights", "old-policy copy (DiffusionNFT)", base + lora_params * m.lora_bytes_per_param / k,

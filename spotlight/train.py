@@ -35,7 +35,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from spot.cost import CostLedger, spot_gpus_held
-from spotlight.time_budget import IterationBudget
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
@@ -54,6 +53,7 @@ from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
 from spotlight.rollout import Rollout, resolve_autocast, rollout
 from spotlight.sampling import Trajectory, derive_seed, qwen_image_sigmas, sde_step_indices
+from spotlight.time_budget import IterationBudget
 from spotlight.tracking import Tracker
 from spotlight.trainer import GRPOTrainer
 

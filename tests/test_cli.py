@@ -136,7 +136,7 @@ def test_ema_weights_are_saved_resumed_and_evaluated(tiny_model_dir, tmp_path, c
 
     # A run without the moving average: auto and raw score its weights; ema is refused, by name.
     plain = tmp_path / "plain"
-    assert main(["train", *tiny_overrides(tiny_model_dir, 2), "--run-dir", str(plain), "--quiet"]) == 0
+    assert main(["train", *tiny_overrides(tiny_model_dir, 2), "train.ema_decay=0", "--run-dir", str(plain), "--quiet"]) == 0
     assert set(load_checkpoint(plain).tensors) == {"trainable"}
     assert main(["eval", *tiny_overrides(tiny_model_dir), "--checkpoint", str(plain), "--weights", "ema", "--json"]) == 2
     err = capsys.readouterr().err

@@ -40,7 +40,7 @@ def fsdp_overrides(model_dir: Path, iterations: int) -> list[str]:
         f"model.path={model_dir}", "model.height=32", "model.width=32",
         "sample.num_steps=3", "sample.eval_num_steps=3", "sample.batch_size=1",
         f"train.num_iterations={iterations}", "train.prompts_per_iteration=3", "train.group_size=3",
-        "train.minibatch_size=2", "train.num_threads=1",
+        "train.minibatch_size=2", "train.num_threads=1", "train.ema_decay=0",
         "reward.weights.shapes=0.0", "reward.weights.jpeg_compressibility=1.0",
         "log.checkpoint_every=2", "log.images_every=2", "eval.every=3", "eval.num_seeds=1", "data.num_heldout=3",
     ]  # fmt: skip

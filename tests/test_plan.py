@@ -212,7 +212,7 @@ def test_dit_plan_matches_a_measured_training_step(case, copies):
             policy.transformer.enable_gradient_checkpointing()
         measured, block = _measure_dit_update(cfg, policy, trainer, ro, adv, block_recompute=block if gc else 0)
         # Copies made during this update (DiffusionNFT's old policy) or at start (the KL reference).
-        measured["weights"] = _module_bytes(policy.transformer, policy.text_encoder, *copies)
+        measured["weights"] = _module_bytes(policy.transformer, policy.text_encoder, *copies) + _bytes(trainer.ema or [])
         copies[:] = [c for c in copies if c is trainer._ref_copy]
         plan = plan_recipe(DIT_RECIPE, [*overrides, f"model.gradient_checkpointing={str(gc).lower()}"], gpus=1, gpu_mem_gib=80)
         _compare(plan, measured, f"{case} gradient_checkpointing={gc}")

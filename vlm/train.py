@@ -45,7 +45,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from spotlight.time_budget import IterationBudget
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
@@ -53,6 +52,7 @@ from spotlight.distributed import (
 )  # fmt: skip
 from spotlight.optim import apply_lr_warmup
 from spotlight.sampling import derive_seed
+from spotlight.time_budget import IterationBudget
 from spotlight.tracking import Tracker
 from vlm.config import VLMRecipe
 from vlm.evaluate import evaluate
