@@ -301,8 +301,8 @@ def test_ema_follows_every_optimizer_step_and_swaps_in_for_evaluation(tiny_model
             assert torch.equal(p, e)
     for p, w in zip(trainer.params, after_steps[-1]):
         assert torch.equal(p, w)
-    # Off by default: no copy, and averaged_weights is the trained weights.
-    plain = GRPOTrainer(policy, _cfg(tiny_model_dir))
+    # Off (ema_decay 0, the real recipes' setting): no copy, and averaged_weights is the trained weights.
+    plain = GRPOTrainer(policy, _cfg(tiny_model_dir, ema_decay=0.0))
     assert plain.ema is None
     with plain.averaged_weights():
         assert all(torch.equal(p, w) for p, w in zip(plain.params, after_steps[-1]))
