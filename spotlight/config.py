@@ -144,11 +144,15 @@ class TrainConfig:
     """AdamW learning rate (tiny full fine-tune: 3e-4 for "nft" with 4 noise levels and 20 warm-up steps; "flow_grpo" needs 3e-5)."""
     lr_warmup_steps: int = 20
     """Optimizer steps over which the learning rate ramps linearly up to lr (Adam's first steps are its largest); 0: none."""
+    lr_cooldown: float = 0.15
+    """The last fraction of the time budget (train.max_minutes) over which the learning rate falls linearly to lr_cooldown_floor x lr (0: none; also none without a time budget)."""
+    lr_cooldown_floor: float = 0.1
+    """The learning-rate factor the cooldown ends at."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
-    ema_decay: float = 0.95
+    ema_decay: float = 0.0
     """Exponential moving average of the trainable weights, per optimizer step (0: off); checkpoints then hold it too and `spotlight eval`/`sample` use it (`--weights raw`: the trained ones). Rollouts always use the trained weights."""
     clip_range: float = 0.2
     """PPO ratio clip epsilon (Flow-GRPO uses 1e-4 at scale; the tiny model needs larger steps)."""
@@ -344,6 +348,11 @@ class DiTRecipe:
             raise ValueError(f"train.ema_decay must be in [0, 1) (0: no moving average), got {self.train.ema_decay}")
         if self.train.lr_warmup_steps < 0:
             raise ValueError(f"train.lr_warmup_steps must be >= 0, got {self.train.lr_warmup_steps}")
+        if not 0 <= self.train.lr_cooldown < 1 or not 0 <= self.train.lr_cooldown_floor <= 1:
+            raise ValueError(
+                f"train.lr_cooldown must be in [0, 1) and train.lr_cooldown_floor in [0, 1], got "
+                f"{self.train.lr_cooldown}, {self.train.lr_cooldown_floor}"
+            )
         if self.train.max_minutes < 0:
             raise ValueError(f"train.max_minutes must be >= 0 (0: no limit), got {self.train.max_minutes}")
         if self.train.objective == "flow_grpo" and self.sample.noise_level <= 0:

@@ -5,13 +5,27 @@ from __future__ import annotations
 import torch
 
 
-def apply_lr_warmup(optimizer: torch.optim.Optimizer, lr: float, warmup_steps: int) -> None:
-    """Before an optimizer step: a linear ramp, step k (from 1) at lr * min(1, k / warmup_steps);
-    warmup_steps 0 leaves the learning rate alone. The steps taken so far are read from the
-    optimizer state (Adam's per-parameter "step"), so a resumed run picks up the ramp where it was."""
-    if warmup_steps <= 0:
+def apply_lr_warmup(optimizer: torch.optim.Optimizer, lr: float, warmup_steps: int, scale: float = 1.0) -> None:
+    """Before an optimizer step: a linear ramp, step k (from 1) at lr * min(1, k / warmup_steps),
+    times `scale` (the DiT trainer's end-of-budget cooldown, `lr_cooldown_scale`); warmup_steps 0
+    and scale 1 leave the learning rate alone. The steps taken so far are read from the optimizer
+    state (Adam's per-parameter "step"), so a resumed run picks up the ramp where it was."""
+    if warmup_steps <= 0 and scale == 1.0:
         return
-    first = optimizer.param_groups[0]["params"][0]
-    taken = int(optimizer.state.get(first, {}).get("step", 0))
+    ramp = 1.0
+    if warmup_steps > 0:
+        first = optimizer.param_groups[0]["params"][0]
+        taken = int(optimizer.state.get(first, {}).get("step", 0))
+        ramp = min(1.0, (taken + 1) / warmup_steps)
     for group in optimizer.param_groups:
-        group["lr"] = lr * min(1.0, (taken + 1) / warmup_steps)
+        group["lr"] = lr * ramp * scale
+
+
+def lr_cooldown_scale(fraction_used: float, cooldown: float, floor: float) -> float:
+    """The learning-rate factor at `fraction_used` of a time budget: 1 until the last `cooldown` of
+    it, then falling linearly to `floor` at its end (a warmup-stable-decay schedule's decay phase,
+    Hu et al. 2024, arXiv 2404.06395; Haegele et al. 2024, arXiv 2405.18392). cooldown 0: always 1."""
+    if cooldown <= 0:
+        return 1.0
+    into = (fraction_used - (1.0 - cooldown)) / cooldown  # 0 where the cooldown starts, 1 at the end
+    return 1.0 - (1.0 - floor) * min(1.0, max(0.0, into))

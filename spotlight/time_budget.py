@@ -47,6 +47,10 @@ class IterationBudget:
     def elapsed_s(self) -> float:
         return self._clock() - self.began
 
+    def fraction_used(self) -> float:
+        """The share of the budget spent so far (0 without a limit)."""
+        return self.elapsed_s() / self.seconds if self.seconds else 0.0
+
     def predicted_s(self) -> float:
         """How long the next iteration is expected to take: the slowest of the recent ones, the
         current one (measured so far) included."""

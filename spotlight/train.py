@@ -48,6 +48,7 @@ from spotlight.explore import (
 )  # fmt: skip
 from spotlight.grpo import group_advantages
 from spotlight.mirror import CheckpointMirror
+from spotlight.optim import lr_cooldown_scale
 from spotlight.policy import load_policy, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
@@ -210,6 +211,7 @@ def _train(
     history: list[dict] = []
     last_ckpt: Path | None = latest
     budget = IterationBudget(cfg.train.max_minutes)
+    cooling = cfg.train.lr_cooldown > 0 and cfg.train.max_minutes > 0
     columns = [TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
     tracking = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) if dp.is_main else nullcontext()
     with tracking as tracker, Progress(*columns, console=console) as bar:
@@ -257,7 +259,12 @@ def _train(
                 exploration.launch(it, stale_weights, reward.total_B, seeds, t2 - t_ro, nxt)
             stale_weights.settle()
             t_up = time.monotonic()
-            # 5. Policy update on the stochastic steps.
+            # 5. Policy update on the stochastic steps; over the last train.lr_cooldown of the time
+            #    budget at a falling learning rate (rank 0's clock decides for every rank).
+            if cooling:
+                trainer.lr_scale = dp.broadcast_object(
+                    lr_cooldown_scale(budget.fraction_used(), cfg.train.lr_cooldown, cfg.train.lr_cooldown_floor)
+                )
             stats = trainer.update(ro, adv, it)
             t3 = time.monotonic()
             encoder = policy.prompt_cache.end_step()
@@ -278,6 +285,7 @@ def _train(
                 "time/reward_s": t2 - t1,
                 "time/update_s": t3 - t_up,
                 **encoder.metrics(),
+                **({"grpo/lr_scale": trainer.lr_scale} if cooling else {}),
                 **(exploration.metrics() if exploration is not None else {}),
                 # Weights copied (gathered, under FSDP) for the explorers: only for a window with candidates.
                 **({"explore/weights_copies": inline_weights.copies + stale_weights.copies} if exploration is not None else {}),

@@ -57,6 +57,8 @@ class GRPOTrainer:
         # Moving average of the trainable weights (train.ema_decay), what evaluation and export
         # use: clones of this rank's parameters (its shards under FSDP), updated after every step.
         self.ema: list[torch.Tensor] | None = self._shards() if cfg.train.ema_decay > 0 else None
+        # A factor on the learning rate the driver sets per update (train.lr_cooldown at the end of the time budget).
+        self.lr_scale = 1.0
         # KL reference: the base weights. With LoRA they are the model with its adapter disabled;
         # a full fine-tune needs a frozen copy (memory: one more set of weights).
         self._ref_copy = None
@@ -136,7 +138,7 @@ class GRPOTrainer:
         self.dp.all_reduce_grads(self.params)
         norm = self.dp.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
         grad_norms.append(norm.item())
-        apply_lr_warmup(self.optimizer, self.cfg.train.lr, self.cfg.train.lr_warmup_steps)
+        apply_lr_warmup(self.optimizer, self.cfg.train.lr, self.cfg.train.lr_warmup_steps, self.lr_scale)
         self.optimizer.step()
         if self.ema is not None:
             # ema <- decay * ema + (1 - decay) * weights, elementwise (so shard by shard under FSDP)

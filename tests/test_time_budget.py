@@ -91,3 +91,50 @@ def test_train_stops_before_the_iteration_that_would_overrun(tiny_model_dir, tmp
     # The iterations themselves fit the budget (the prediction is the slowest of the last five;
     # a slack of one second for start-up of the loop and a noisy machine).
     assert sum(r["time/iteration_s"] for r in rows) <= 60 * minutes + 1.0
+
+
+def test_lr_cooldown_falls_linearly_over_the_end_of_the_budget():
+    from spotlight.optim import lr_cooldown_scale
+
+    assert [lr_cooldown_scale(f, 0.2, 0.1) for f in (0.0, 0.5, 0.8)] == [1.0, 1.0, 1.0]
+    assert lr_cooldown_scale(0.9, 0.2, 0.1) == pytest.approx(0.55)
+    assert lr_cooldown_scale(1.0, 0.2, 0.1) == pytest.approx(0.1)
+    assert lr_cooldown_scale(1.3, 0.2, 0.1) == pytest.approx(0.1)  # an overrun stays at the floor
+    assert lr_cooldown_scale(0.99, 0.0, 0.1) == 1.0  # off
+
+
+def test_warmup_and_cooldown_multiply():
+    import torch
+
+    from spotlight.optim import apply_lr_warmup
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([w], lr=1.0)
+    apply_lr_warmup(opt, 3e-4, 0, scale=0.5)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.5e-4)
+    apply_lr_warmup(opt, 3e-4, 4, scale=0.5)  # first step of a 4-step ramp
+    assert opt.param_groups[0]["lr"] == pytest.approx(3e-4 / 4 * 0.5)
+    w.grad = torch.ones(2)
+    opt.step()
+    apply_lr_warmup(opt, 3e-4, 0)  # no ramp, no cooldown: left alone
+    assert opt.param_groups[0]["lr"] == pytest.approx(3e-4 / 4 * 0.5)
+
+
+@pytest.mark.parametrize("override", ["train.lr_cooldown=1.0", "train.lr_cooldown=-0.1", "train.lr_cooldown_floor=2"])
+def test_bad_cooldown_is_refused_naming_the_field(capsys, override):
+    assert main(["config", "configs/dit/tiny-shapes.yaml", override]) == 2
+    assert override.split("=")[0] in capsys.readouterr().err
+
+
+def test_the_learning_rate_cools_down_at_the_end_of_the_budget(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    minutes = 0.1
+    args = [*tiny_overrides(tiny_model_dir, 500), f"train.max_minutes={minutes}", "train.lr_cooldown=0.6", "--run-dir", str(run_dir), "--quiet"]
+    assert main(["train", *args]) == 0
+    scales = [r["grpo/lr_scale"] for r in read_metrics(run_dir)]
+    assert scales[0] == 1.0 and 0.1 <= scales[-1] < 1.0
+    assert scales == sorted(scales, reverse=True)
+    # Without a time budget there is no cooldown (and no metric for it).
+    plain = tmp_path / "plain"
+    assert main(["train", *tiny_overrides(tiny_model_dir, 2), "train.max_minutes=0", "--run-dir", str(plain), "--quiet"]) == 0
+    assert all("grpo/lr_scale" not in r for r in read_metrics(plain))
