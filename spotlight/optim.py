@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 
 
-def apply_lr_warmup(optimizer: torch.optim.Optimizer, lr: float, warmup_steps: int, scale: float = 1.0) -> None:
-    """Before an optimizer step: a linear ramp, step k (from 1) at lr * min(1, k / warmup_steps),
-    times `scale` (the DiT trainer's end-of-budget cooldown, `lr_cooldown_scale`); warmup_steps 0
-    and scale 1 leave the learning rate alone. The steps taken so far are read from the optimizer
-    state (Adam's per-parameter "step"), so a resumed run picks up the ramp where it was."""
-    if warmup_steps <= 0 and scale == 1.0:
-        return
+def apply_lr_schedule(optimizer: torch.optim.Optimizer, lr: float, warmup_steps: int, scale: float = 1.0) -> None:
+    """Before an optimizer step, set the learning rate: a linear warm-up ramp, step k (from 1) at
+    lr * min(1, k / warmup_steps) (warmup_steps 0: none), times `scale` (the DiT trainer's
+    end-of-budget cooldown, `lr_cooldown_scale`). The steps taken so far are read from the
+    optimizer state (Adam's per-parameter "step"), so a resumed run picks up the ramp where it was;
+    the rate is set every time, so a resumed run never keeps the rate a checkpoint's optimizer had."""
     ramp = 1.0
     if warmup_steps > 0:
         first = optimizer.param_groups[0]["params"][0]

@@ -31,7 +31,7 @@ import torch
 from spotlight.config import DiTRecipe
 from spotlight.distributed import DataParallel, swapped_shards
 from spotlight.grpo import Advantages, clipped_policy_loss, gaussian_mean_kl, nft_level_indices, nft_loss, nft_optimality
-from spotlight.optim import apply_lr_warmup
+from spotlight.optim import apply_lr_schedule
 from spotlight.policy import DiTPolicy
 from spotlight.rollout import AUTOCAST_DTYPES, PromptBatch, Rollout, encode, guided_velocity, resolve_train_autocast
 from spotlight.sampling import derive_seed, stochastic_step
@@ -138,7 +138,7 @@ class GRPOTrainer:
         self.dp.all_reduce_grads(self.params)
         norm = self.dp.clip_grad_norm_(self.params, self.cfg.train.max_grad_norm)
         grad_norms.append(norm.item())
-        apply_lr_warmup(self.optimizer, self.cfg.train.lr, self.cfg.train.lr_warmup_steps, self.lr_scale)
+        apply_lr_schedule(self.optimizer, self.cfg.train.lr, self.cfg.train.lr_warmup_steps, self.lr_scale)
         self.optimizer.step()
         if self.ema is not None:
             # ema <- decay * ema + (1 - decay) * weights, elementwise (so shard by shard under FSDP)

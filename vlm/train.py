@@ -50,7 +50,7 @@ from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
     DataParallel, gather_sharded_train_state, init_data_parallel, load_sharded_train_state, shard_module, swapped_shards,
 )  # fmt: skip
-from spotlight.optim import apply_lr_warmup
+from spotlight.optim import apply_lr_schedule
 from spotlight.sampling import derive_seed
 from spotlight.time_budget import IterationBudget
 from spotlight.tracking import Tracker
@@ -220,7 +220,7 @@ def update(
             scorer.before_step()
             shard.dp.all_reduce_grads(params)  # the one-process minibatch gradient, before clipping (FSDP: done)
             grad_norm = shard.dp.clip_grad_norm_(params, tc.max_grad_norm)
-            apply_lr_warmup(optimizer, tc.lr, tc.lr_warmup_steps)
+            apply_lr_schedule(optimizer, tc.lr, tc.lr_warmup_steps)
             scorer.step(optimizer)
             losses.append(loss_total)
             grad_norms.append(float(grad_norm))
