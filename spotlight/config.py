@@ -145,7 +145,7 @@ class TrainConfig:
     lr_warmup_steps: int = 20
     """Optimizer steps over which the learning rate ramps linearly up to lr (Adam's first steps are its largest); 0: none."""
     lr_cooldown: float = 0.15
-    """The last fraction of the time budget (train.max_minutes) over which the learning rate falls linearly to lr_cooldown_floor x lr (0: none; also none without a time budget)."""
+    """The last fraction of the run over which the learning rate falls linearly to lr_cooldown_floor x lr; progress is the larger of the time budget (train.max_minutes) used and the iterations done over num_iterations (0: none; also none without a time budget)."""
     lr_cooldown_floor: float = 0.1
     """The learning-rate factor the cooldown ends at."""
     weight_decay: float = 0.0

@@ -21,8 +21,9 @@ def apply_lr_schedule(optimizer: torch.optim.Optimizer, lr: float, warmup_steps:
 
 
 def lr_cooldown_scale(fraction_used: float, cooldown: float, floor: float) -> float:
-    """The learning-rate factor at `fraction_used` of a time budget: 1 until the last `cooldown` of
-    it, then falling linearly to `floor` at its end (a warmup-stable-decay schedule's decay phase,
+    """The learning-rate factor at `fraction_used` of a run (of its time budget or of its
+    iterations, whichever is further along): 1 until the last `cooldown` of it, then falling
+    linearly to `floor` at its end (a warmup-stable-decay schedule's decay phase,
     Hu et al. 2024, arXiv 2404.06395; Haegele et al. 2024, arXiv 2405.18392). cooldown 0: always 1."""
     if cooldown <= 0:
         return 1.0

@@ -259,11 +259,15 @@ def _train(
                 exploration.launch(it, stale_weights, reward.total_B, seeds, t2 - t_ro, nxt)
             stale_weights.settle()
             t_up = time.monotonic()
-            # 5. Policy update on the stochastic steps; over the last train.lr_cooldown of the time
-            #    budget at a falling learning rate (rank 0's clock decides for every rank).
+            # 5. Policy update on the stochastic steps; over the last train.lr_cooldown of the run
+            #    at a falling learning rate. The run's progress is the larger of the time budget
+            #    used (rank 0's clock decides for every rank) and the iterations done, so a host
+            #    fast enough to finish num_iterations within the budget runs the same schedule,
+            #    iteration for iteration, whatever its speed.
             if cooling:
+                progress = max(budget.fraction_used(), (it + 1) / cfg.train.num_iterations)
                 trainer.lr_scale = dp.broadcast_object(
-                    lr_cooldown_scale(budget.fraction_used(), cfg.train.lr_cooldown, cfg.train.lr_cooldown_floor)
+                    lr_cooldown_scale(progress, cfg.train.lr_cooldown, cfg.train.lr_cooldown_floor)
                 )
             stats = trainer.update(ro, adv, it)
             t3 = time.monotonic()

@@ -31,13 +31,14 @@ def dp_overrides(model_dir: Path, iterations: int) -> list[str]:
     model is 0 for nearly every sample, which would leave nothing to train). sample.batch_size=2
     makes the one-process rollout run the same forward chunks as the ranks, so rollouts and rewards
     agree exactly and the comparison isolates the update. lr 1e-4 without warm-up: the tolerances
-    below are sized to one such step.
+    below are sized to one such step. No end-of-run cooldown: the tests stop a run after 2
+    iterations by asking for 2, and the cooldown follows num_iterations.
     """
     return [
         f"model.path={model_dir}", "model.height=32", "model.width=32",
         "sample.num_steps=3", "sample.eval_num_steps=3", "sample.batch_size=2",
         f"train.num_iterations={iterations}", "train.prompts_per_iteration=3", "train.group_size=4",
-        "train.minibatch_size=4", "train.num_threads=1", "train.lr=1e-4", "train.lr_warmup_steps=0",
+        "train.minibatch_size=4", "train.num_threads=1", "train.lr=1e-4", "train.lr_warmup_steps=0", "train.lr_cooldown=0",
         "reward.weights.shapes=0.0", "reward.weights.jpeg_compressibility=1.0",
         "log.checkpoint_every=2", "log.images_every=2", "eval.every=3", "eval.num_seeds=1", "data.num_heldout=8",
     ]  # fmt: skip

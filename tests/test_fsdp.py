@@ -41,6 +41,7 @@ def fsdp_overrides(model_dir: Path, iterations: int) -> list[str]:
         "sample.num_steps=3", "sample.eval_num_steps=3", "sample.batch_size=1",
         f"train.num_iterations={iterations}", "train.prompts_per_iteration=3", "train.group_size=3",
         "train.minibatch_size=2", "train.num_threads=1", "train.ema_decay=0",
+        "train.lr_cooldown=0",  # runs are stopped after 2 iterations by asking for 2; the cooldown follows num_iterations
         "reward.weights.shapes=0.0", "reward.weights.jpeg_compressibility=1.0",
         "log.checkpoint_every=2", "log.images_every=2", "eval.every=3", "eval.num_seeds=1", "data.num_heldout=3",
     ]  # fmt: skip

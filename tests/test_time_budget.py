@@ -127,7 +127,7 @@ def test_bad_cooldown_is_refused_naming_the_field(capsys, override):
     assert override.split("=")[0] in capsys.readouterr().err
 
 
-def test_the_learning_rate_cools_down_at_the_end_of_the_budget(tiny_model_dir, tmp_path):
+def test_the_learning_rate_cools_down_at_the_end_of_the_budget_or_of_the_iterations(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     minutes = 0.1
     args = [*tiny_overrides(tiny_model_dir, 500), f"train.max_minutes={minutes}", "train.lr_cooldown=0.6", "--run-dir", str(run_dir), "--quiet"]
@@ -135,6 +135,13 @@ def test_the_learning_rate_cools_down_at_the_end_of_the_budget(tiny_model_dir, t
     scales = [r["grpo/lr_scale"] for r in read_metrics(run_dir)]
     assert scales[0] == 1.0 and 0.1 <= scales[-1] < 1.0
     assert scales == sorted(scales, reverse=True)
+    # A host that finishes num_iterations well within the budget cools down over the last
+    # lr_cooldown of the iterations instead: the same schedule whatever its speed. Progress after
+    # iteration k of 4 is k/4, so with lr_cooldown 0.5 and floor 0.1 the factors are 1, 1, 0.55, 0.1.
+    by_iterations = tmp_path / "by_iterations"
+    args = [*tiny_overrides(tiny_model_dir, 4), "train.max_minutes=60", "train.lr_cooldown=0.5", "--run-dir", str(by_iterations), "--quiet"]
+    assert main(["train", *args]) == 0
+    assert [r["grpo/lr_scale"] for r in read_metrics(by_iterations)] == pytest.approx([1.0, 1.0, 0.55, 0.1])
     # Without a time budget there is no cooldown (and no metric for it).
     plain = tmp_path / "plain"
     assert main(["train", *tiny_overrides(tiny_model_dir, 2), "train.max_minutes=0", "--run-dir", str(plain), "--quiet"]) == 0
