@@ -39,6 +39,7 @@ import os
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -250,6 +251,22 @@ def init_data_parallel() -> DataParallel:
         return DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, fsdp=fsdp)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return DataParallel(rank=dist.get_rank(), world_size=world_size, device=device, owns_group=True, fsdp=fsdp)
+
+
+def check_every_rank_reads(dp: DataParallel, path: Path) -> None:
+    """Raise the same ValueError on every rank unless every rank can read `path` (rank 0's checkpoint
+    to resume from): every rank loads it, so under a launch over several machines the run directory
+    must be on a filesystem they share. A collective: every rank must call it; without it, a rank
+    that failed alone would leave the others waiting in their next collective."""
+    if dp.world_size == 1:
+        return
+    missing = dp.all_gather_rows(torch.tensor([0 if Path(path).exists() else 1], device=dp.device)).tolist()
+    lacking = [rank for rank, m in enumerate(missing) if m]
+    if lacking:
+        raise ValueError(
+            f"rank(s) {lacking} of {dp.world_size} cannot read the checkpoint {path} that rank 0 resumes from: "
+            "every rank loads it, so on several machines --run-dir must be a path on a filesystem they all share"
+        )
 
 
 def gather_rewards(dp: DataParallel, local: RewardResult) -> RewardResult:

@@ -39,8 +39,8 @@ from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
-    DataParallel, gather_rewards, gather_train_state, gather_trainable_weights, init_data_parallel, load_train_state,
-    shard_transformer,
+    DataParallel, check_every_rank_reads, gather_rewards, gather_train_state, gather_trainable_weights, init_data_parallel,
+    load_train_state, shard_transformer,
 )  # fmt: skip
 from spotlight.evaluate import evaluate
 from spotlight.explore import (
@@ -141,9 +141,10 @@ def _train(
     sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
 
     start_iter = 0
-    # Rank 0 picks the checkpoint (the run dir must be one every rank can read).
+    # Rank 0 picks the checkpoint; every rank reads it (the run dir must be one every rank can read).
     latest = dp.broadcast_object(find_latest_checkpoint(run_dir) if resume and dp.is_main else None)
     if latest is not None:
+        check_every_rank_reads(dp, latest)
         ckpt = load_checkpoint(latest)
         if trainer.ema is not None and "ema" in ckpt.tensors:
             # The moving average goes through the weights' loader (sharded under FSDP), then the

@@ -1,4 +1,5 @@
-"""Data-parallel training (spotlight.distributed): 2 real gloo processes against 1 process.
+"""Data-parallel training (spotlight.distributed): 2 real gloo processes (on one machine, and as
+two machines of one process each) against 1 process.
 
 The end-to-end test launches the trainer with `accelerate launch` and the shipped 2-process CPU
 config, and compares it with a single process on the same global batch and seeds (explore mode
@@ -8,13 +9,14 @@ config, and compares it with a single process on the same global batch and seeds
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from launch import free_port, launch
+from launch import free_port, launch, launch_machines
 from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
 from spotlight.distributed import DataParallel
@@ -99,6 +101,47 @@ def test_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, objective)
 
     base = load_file(next((tiny_model_dir / "transformer").glob("*.safetensors")))
     assert any(not torch.equal(base[k], v) for k, v in ckpt_two.tensors["trainable"].items() if k in base)
+
+
+def test_two_machines_match_one_process_and_a_run_dir_they_do_not_share_is_named(tiny_model_dir, tmp_path):
+    """A launch over 2 machines of one process each (two `accelerate launch --num_machines 2`, both on
+    127.0.0.1, each in its own working directory: every process has LOCAL_RANK 0, RANK 0 and 1)
+    trains as 1 process does, and resumes from a run dir on a filesystem both share. A run dir only
+    machine 0 has (a relative path: each machine's own disk) cannot be resumed from by rank 1: both
+    machines stop with the same error naming the rank and the checkpoint, instead of rank 0 waiting
+    in a collective for a rank that died. Tolerances as in the 2-process test above."""
+    one, shared = tmp_path / "one", tmp_path / "shared"  # absolute paths: the shared filesystem
+    machines = [tmp_path / "machine-0", tmp_path / "machine-1"]
+    for m in machines:
+        m.mkdir()
+    threads = torch.get_num_threads()
+    try:
+        assert main(["train", *dp_overrides(tiny_model_dir, 3), "--run-dir", str(one), "--quiet"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+    for iterations in (2, 3):
+        procs = launch_machines(CPU_2PROC, machines, "train", *dp_overrides(tiny_model_dir, iterations), "--run-dir", str(shared))
+        assert [p.returncode for p in procs] == [0, 0], procs[0].stderr[-2000:] + procs[1].stderr[-2000:]
+    assert "data parallel: 2 processes on cpu, 6 of 12 samples on rank 0" in procs[0].stdout
+    assert "resuming from" in procs[0].stdout and "(iteration 2)" in procs[0].stdout
+    for a, b in zip(read_metrics(one), read_metrics(shared), strict=True):
+        for key, value in a.items():
+            if not key.startswith(("time/", "cost/")) and key != "eval/seconds":
+                assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
+    ckpt_one, ckpt_two = load_checkpoint(one), load_checkpoint(shared)
+    assert ckpt_one.step == ckpt_two.step == 3
+    for key, value in ckpt_one.tensors["trainable"].items():
+        torch.testing.assert_close(ckpt_two.tensors["trainable"][key], value, rtol=0, atol=1e-6, msg=key)
+
+    # The same run, in a directory on machine 0's disk only.
+    shutil.copytree(shared, machines[0] / "run")
+    procs = launch_machines(CPU_2PROC, machines, "train", *dp_overrides(tiny_model_dir, 4), "--run-dir", "run", timeout=180)
+    assert all(p.returncode != 0 for p in procs)
+    for p in procs:
+        assert "rank(s) [1] of 2 cannot read the checkpoint" in p.stderr and "step-00000003" in p.stderr, p.stderr[-2000:]
+    assert not (machines[1] / "run").exists()  # rank 1 writes nothing to a run dir
+    assert load_checkpoint(machines[0] / "run").step == 3
 
 
 # -- the collectives, on 2 gloo processes -------------------------------------------------------

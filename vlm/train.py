@@ -48,7 +48,8 @@ from rich.table import Table
 from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
-    DataParallel, gather_sharded_train_state, init_data_parallel, load_sharded_train_state, shard_module, swapped_shards,
+    DataParallel, check_every_rank_reads, gather_sharded_train_state, init_data_parallel, load_sharded_train_state,
+    shard_module, swapped_shards,
 )  # fmt: skip
 from spotlight.optim import apply_lr_schedule
 from spotlight.sampling import derive_seed
@@ -378,9 +379,10 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
     schedule = make_schedule(tc.schedule, policy, engine, reference, optimizer, cfg)
 
     start_iter = 0
-    # Rank 0 picks the checkpoint (the run dir must be one every rank can read).
+    # Rank 0 picks the checkpoint; every rank reads it (the run dir must be one every rank can read).
     latest = dp.broadcast_object(find_latest_checkpoint(run_dir) if resume and dp.is_main else None)
     if latest is not None:
+        check_every_rank_reads(dp, latest)
         ckpt = load_checkpoint(latest)
         if dp.sharded:  # a collective: rank 0's state is broadcast, each rank keeps its shards
             load_sharded_train_state(dp, policy.model, policy.has_lora, optimizer, ckpt.tensors["trainable"], ckpt.optimizer_state)
