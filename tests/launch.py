@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -34,8 +35,11 @@ def cpu_fsdp_config(path: Path) -> Path:
 def launch(config: Path | str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file config -m spotlight.cli` with `args`, one thread per process."""
     cmd = [str(ACCELERATE), "launch", "--config_file", str(config), "--main_process_port", str(free_port()), "-m", "spotlight.cli", *args]
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
 
 
 def launch_machines(
@@ -43,24 +47,30 @@ def launch_machines(
 ) -> list[subprocess.CompletedProcess]:
     """`launch` over len(cwds) machines of one process each, all on 127.0.0.1: one `accelerate launch
     --num_machines N --machine_rank R` per machine, run at once, each in its own working directory
-    (a machine's own disk). Every process has LOCAL_RANK 0, as on separate machines."""
+    (a machine's own disk). Every process has LOCAL_RANK 0, as on separate machines. Their output
+    goes to files, not pipes: a machine blocked on a full pipe would stall the others' collectives."""
     n, port = len(cwds), str(free_port())
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    procs = []
-    for rank, cwd in enumerate(cwds):
-        cmd = [
-            str(ACCELERATE), "launch", "--config_file", str(REPO / config), "--num_machines", str(n), "--num_processes", str(n),
-            "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-            "-m", "spotlight.cli", *args,
-        ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd))
-    done = []
+    procs, logs = [], []
     try:
-        for cmd_proc in procs:
-            out, err = cmd_proc.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(cmd_proc.args, cmd_proc.returncode, out, err))
+        for rank, cwd in enumerate(cwds):
+            cmd = [
+                str(ACCELERATE), "launch", "--config_file", str(REPO / config), "--num_machines", str(n),
+                "--num_processes", str(n), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+                "--main_process_port", port, "-m", "spotlight.cli", *args,
+            ]  # fmt: skip
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            logs.append((out, err))
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=_env(), cwd=cwd))
+        for p in procs:
+            p.wait(timeout=timeout)
+        done = []
+        for p, (out, err) in zip(procs, logs):
+            out.seek(0), err.seek(0)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
+        return done
     finally:
-        for cmd_proc in procs:
-            if cmd_proc.poll() is None:
-                cmd_proc.kill()
-    return done
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for out, err in logs:
+            out.close(), err.close()
