@@ -8,7 +8,7 @@ import torch
 def apply_lr_schedule(optimizer: torch.optim.Optimizer, lr: float, warmup_steps: int, scale: float = 1.0) -> None:
     """Before an optimizer step, set the learning rate: a linear warm-up ramp, step k (from 1) at
     lr * min(1, k / warmup_steps) (warmup_steps 0: none), times `scale` (the DiT trainer's
-    end-of-budget cooldown, `lr_cooldown_scale`). The steps taken so far are read from the
+    end-of-run cooldown, `lr_cooldown_scale`). The steps taken so far are read from the
     optimizer state (Adam's per-parameter "step"), so a resumed run picks up the ramp where it was;
     the rate is set every time, so a resumed run never keeps the rate a checkpoint's optimizer had."""
     ramp = 1.0
@@ -20,12 +20,12 @@ def apply_lr_schedule(optimizer: torch.optim.Optimizer, lr: float, warmup_steps:
         group["lr"] = lr * ramp * scale
 
 
-def lr_cooldown_scale(fraction_used: float, cooldown: float, floor: float) -> float:
-    """The learning-rate factor at `fraction_used` of a run (of its time budget or of its
+def lr_cooldown_scale(progress: float, cooldown: float, floor: float) -> float:
+    """The learning-rate factor at `progress` (a fraction) of a run (of its time budget or of its
     iterations, whichever is further along): 1 until the last `cooldown` of it, then falling
     linearly to `floor` at its end (a warmup-stable-decay schedule's decay phase,
     Hu et al. 2024, arXiv 2404.06395; Haegele et al. 2024, arXiv 2405.18392). cooldown 0: always 1."""
     if cooldown <= 0:
         return 1.0
-    into = (fraction_used - (1.0 - cooldown)) / cooldown  # 0 where the cooldown starts, 1 at the end
+    into = (progress - (1.0 - cooldown)) / cooldown  # 0 where the cooldown starts, 1 at the end
     return 1.0 - (1.0 - floor) * min(1.0, max(0.0, into))

@@ -57,7 +57,7 @@ class GRPOTrainer:
         # Moving average of the trainable weights (train.ema_decay), what evaluation and export
         # use: clones of this rank's parameters (its shards under FSDP), updated after every step.
         self.ema: list[torch.Tensor] | None = self._shards() if cfg.train.ema_decay > 0 else None
-        # A factor on the learning rate the driver sets per update (train.lr_cooldown at the end of the time budget).
+        # A factor on the learning rate the driver sets per update (train.lr_cooldown over the end of the run).
         self.lr_scale = 1.0
         # KL reference: the base weights. With LoRA they are the model with its adapter disabled;
         # a full fine-tune needs a frozen copy (memory: one more set of weights).
