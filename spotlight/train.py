@@ -48,7 +48,7 @@ from spotlight.explore import (
 )  # fmt: skip
 from spotlight.grpo import group_advantages
 from spotlight.mirror import CheckpointMirror
-from spotlight.optim import lr_cooldown_scale
+from spotlight.optim import run_cooldown_scale
 from spotlight.policy import load_policy, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
@@ -261,15 +261,10 @@ def _train(
             stale_weights.settle()
             t_up = time.monotonic()
             # 5. Policy update on the stochastic steps; over the last train.lr_cooldown of the run
-            #    at a falling learning rate. The run's progress is the larger of the time budget
-            #    used (rank 0's clock decides for every rank) and the iterations done, so a host
-            #    fast enough to finish num_iterations within the budget runs the same schedule,
-            #    iteration for iteration, whatever its speed.
+            #    at a falling learning rate (run_cooldown_scale; rank 0's clock decides for every rank).
             if cooling:
-                progress = max(budget.fraction_used(), (it + 1) / cfg.train.num_iterations)
-                trainer.lr_scale = dp.broadcast_object(
-                    lr_cooldown_scale(progress, cfg.train.lr_cooldown, cfg.train.lr_cooldown_floor)
-                )
+                tc = cfg.train
+                trainer.lr_scale = dp.broadcast_object(run_cooldown_scale(budget, it + 1, tc.num_iterations, tc.lr_cooldown, tc.lr_cooldown_floor))
             stats = trainer.update(ro, adv, it)
             t3 = time.monotonic()
             encoder = policy.prompt_cache.end_step()

@@ -241,6 +241,28 @@ def test_new_train_fields_default_off_and_are_validated():
         load_config(VLMRecipe, None, ["train.refill_prompts=-1"])
 
 
+@pytest.mark.parametrize("schedule", ["serial", "rollplex"])
+def test_the_learning_rate_cools_down_over_the_end_of_the_run(base, tmp_path, schedule):
+    # The DiT trainer's cooldown (spotlight.optim.run_cooldown_scale). A host that finishes
+    # num_iterations well within the time budget cools down over the last lr_cooldown of the
+    # iterations: progress after iteration k of 4 is k/4, so with lr_cooldown 0.5 and floor 0.1
+    # the factors are 1, 1, 0.55, 0.1, and the last optimizer step ran at a tenth of train.lr.
+    run = tmp_path / "run"
+    recipe = _recipe(base, "train.num_iterations=4", "train.max_minutes=60", "train.lr_cooldown=0.5", f"train.schedule={schedule}")
+    run_training(recipe, run, progress=False)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["grpo/lr_scale"] for r in rows] == pytest.approx([1.0, 1.0, 0.55, 0.1])
+    groups = load_checkpoint(run).optimizer_state["param_groups"]
+    assert all(g["lr"] == pytest.approx(1e-2 * 0.1) for g in groups)
+    # Without a time budget there is no cooldown (and no metric for it).
+    plain = tmp_path / "plain"
+    run_training(_recipe(base, "train.num_iterations=2", "train.lr_cooldown=0.5"), plain, progress=False)
+    assert all("grpo/lr_scale" not in json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines())
+    assert all(g["lr"] == pytest.approx(1e-2) for g in load_checkpoint(plain).optimizer_state["param_groups"])
+    with pytest.raises(ValueError, match="train.lr_cooldown"):
+        load_config(VLMRecipe, None, ["train.lr_cooldown=1.0"])
+
+
 def test_max_minutes_stops_before_the_iteration_that_would_overrun(base, tmp_path):
     run = tmp_path / "run"
     minutes = 0.1  # 6 s: a few tiny iterations, far fewer than the 500 asked for

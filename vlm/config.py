@@ -148,6 +148,10 @@ class TrainConfig:
     """AdamW learning rate (tiny recipe: 1e-3 with beta 0.1 and refill_prompts 16; see docs/vlm-recipe-notes.md)."""
     lr_warmup_steps: int = 0
     """Optimizer steps of a linear learning-rate warm-up from lr / lr_warmup_steps to lr; 0: none."""
+    lr_cooldown: float = 0.0
+    """The last fraction of the run over which the learning rate falls linearly to lr_cooldown_floor x lr; progress is the larger of the time budget (train.max_minutes) used and the iterations done over num_iterations (0: none; also none without a time budget)."""
+    lr_cooldown_floor: float = 0.1
+    """The learning-rate factor the cooldown ends at."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
@@ -198,6 +202,10 @@ class TrainConfig:
             raise ValueError(f"train.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         if self.max_minutes < 0:
             raise ValueError(f"train.max_minutes must be >= 0 (0: no limit), got {self.max_minutes}")
+        if not 0 <= self.lr_cooldown < 1 or not 0 <= self.lr_cooldown_floor <= 1:
+            raise ValueError(
+                f"train.lr_cooldown must be in [0, 1) and train.lr_cooldown_floor in [0, 1], got {self.lr_cooldown}, {self.lr_cooldown_floor}"
+            )
 
 
 @dataclass

@@ -215,6 +215,7 @@ class RollplexSchedule:
     def __init__(self, policy: VLMPolicy, engine, reference, optimizer: torch.optim.Optimizer, cfg, *, ledger=None, overlap: bool = True):
         self.policy, self.engine, self.reference, self.optimizer, self.cfg = policy, engine, reference, optimizer, cfg
         self.ledger, self.overlap = ledger, overlap
+        self.lr_scale = 1.0  # the learning-rate factor the driver sets per update (train.lr_cooldown)
         self.trains = any(p.requires_grad for p in policy.model.parameters())
         self.guard = WeightsVersion([p for p in policy.model.parameters() if p.requires_grad])
         self.frozen_vision = vision_frozen(policy)
@@ -334,7 +335,9 @@ class RollplexSchedule:
 
         self._wait()
         scorer = _SuffixScorer(self, batch, rows)
-        stats = update(self.policy, self.optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, self.cfg, iteration, scorer=scorer, shard=shard)
+        stats = update(
+            self.policy, self.optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, self.cfg, iteration, scorer=scorer, shard=shard, lr_scale=self.lr_scale
+        )
         self._drop()
         return stats
 

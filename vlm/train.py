@@ -51,7 +51,7 @@ from spotlight.distributed import (
     DataParallel, check_every_rank_reads, gather_sharded_train_state, init_data_parallel, load_sharded_train_state,
     shard_module, swapped_shards,
 )  # fmt: skip
-from spotlight.optim import apply_lr_schedule
+from spotlight.optim import apply_lr_schedule, run_cooldown_scale
 from spotlight.sampling import derive_seed
 from spotlight.time_budget import IterationBudget
 from spotlight.tracking import Tracker
@@ -164,6 +164,7 @@ def update(
     *,
     scorer: FullForward | None = None,
     shard: UpdateShard | None = None,
+    lr_scale: float = 1.0,
 ) -> dict[str, float]:
     """The policy update of one iteration: epochs x shuffled minibatches, micro-batch gradient accumulation.
 
@@ -171,7 +172,8 @@ def update(
     forward's own log-probs, detached. `scorer` computes the training log-probs and applies the
     step (default `FullForward`; the Rollplex schedule passes its prefix + suffix scorer).
     `shard` places `ro` among the ranks' rows (default: one process, `ro` is the whole batch);
-    `ro` None means this rank holds none of the rows but takes part in every gradient sum.
+    `ro` None means this rank holds none of the rows but takes part in every gradient sum. `lr_scale`
+    multiplies the learning rate (the end-of-run cooldown, `spotlight.optim.run_cooldown_scale`).
 
     Returns the mean minibatch loss and gradient norm, and clip_frac, ratio_mean and kl_ref as
     token means over the whole update (every rank's tokens, whatever the micro-batching).
@@ -221,7 +223,7 @@ def update(
             scorer.before_step()
             shard.dp.all_reduce_grads(params)  # the one-process minibatch gradient, before clipping (FSDP: done)
             grad_norm = shard.dp.clip_grad_norm_(params, tc.max_grad_norm)
-            apply_lr_schedule(optimizer, tc.lr, tc.lr_warmup_steps)
+            apply_lr_schedule(optimizer, tc.lr, tc.lr_warmup_steps, lr_scale)
             scorer.step(optimizer)
             losses.append(loss_total)
             grad_norms.append(float(grad_norm))
@@ -242,6 +244,7 @@ class SerialSchedule:
 
     def __init__(self, policy: VLMPolicy, engine: RolloutEngine, reference: Reference, optimizer: torch.optim.Optimizer, cfg: VLMRecipe):
         self.policy, self.engine, self.reference, self.optimizer, self.cfg = policy, engine, reference, optimizer, cfg
+        self.lr_scale = 1.0  # the learning-rate factor the driver sets per update (train.lr_cooldown)
 
     def rollout(self, prompts, seed: int, rows: range | None = None, pad: int = 0) -> Rollout:
         rc = self.cfg.rollout
@@ -257,7 +260,7 @@ class SerialSchedule:
     def update(
         self, batch: Rollout | None, rows: list[int], adv_B: torch.Tensor, old_logp_BT, ref_logp_BT, iteration: int, *, shard: UpdateShard | None = None
     ) -> dict[str, float]:
-        return update(self.policy, self.optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, self.cfg, iteration, shard=shard)
+        return update(self.policy, self.optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, self.cfg, iteration, shard=shard, lr_scale=self.lr_scale)
 
     def close(self) -> None:
         pass
@@ -425,6 +428,7 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
     history: list[dict] = []
     last_ckpt: Path | None = latest
     budget = IterationBudget(tc.max_minutes)
+    cooling = tc.lr_cooldown > 0 and tc.max_minutes > 0
     columns = [TextColumn("[bold]VLM GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
     tracking = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) if dp.is_main else contextlib.nullcontext()
     with tracking as tracker, Progress(*columns, console=console) as bar:
@@ -477,7 +481,10 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
                 if dp.sharded:  # this rank's rows only
                     ref_logp_BT = ref_logp_BT[: len(local)] if ref_logp_BT is not None else None
                     old_logp_BT = old_logp_BT[: len(local)] if old_logp_BT is not None else None
-                # 4. Policy update; gradients summed over ranks.
+                # 4. Policy update; gradients summed over ranks. Over the last train.lr_cooldown of the
+                #    run at a falling learning rate (rank 0's clock decides for every rank).
+                if cooling:
+                    schedule.lr_scale = dp.broadcast_object(run_cooldown_scale(budget, it + 1, tc.num_iterations, tc.lr_cooldown, tc.lr_cooldown_floor))
                 shard = UpdateShard(
                     dp, rows.index(local[0]) if local else 0, num_tokens_B[rows],
                     owner_N=owner_N, spare=ro.select([0]) if dp.sharded else None,
@@ -492,6 +499,7 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
                 "grpo/rows_updated": len(rows),
                 "response/length": float(num_tokens_B.float().mean()),
                 **{f"grpo/{k}": v for k, v in stats.items()},
+                **({"grpo/lr_scale": schedule.lr_scale} if cooling and rows else {}),
                 "time/rollout_s": t1 - t0,
                 "time/reference_s": t2 - t1,
                 "time/old_logprobs_s": t3 - t2,
