@@ -39,11 +39,11 @@ import os
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from spotlight.checkpoint import Checkpoint, CheckpointError, find_latest_checkpoint, load_checkpoint
 from spotlight.rewards import RewardResult
 
 
@@ -253,20 +253,35 @@ def init_data_parallel() -> DataParallel:
     return DataParallel(rank=dist.get_rank(), world_size=world_size, device=device, owns_group=True, fsdp=fsdp)
 
 
-def check_every_rank_reads(dp: DataParallel, path: Path) -> None:
-    """Raise the same ValueError on every rank unless every rank can read `path` (rank 0's checkpoint
-    to resume from): every rank loads it, so under a launch over several machines the run directory
-    must be on a filesystem they share. A collective: every rank must call it; without it, a rank
-    that failed alone would leave the others waiting in their next collective."""
-    if dp.world_size == 1:
-        return
-    missing = dp.all_gather_rows(torch.tensor([0 if Path(path).exists() else 1], device=dp.device)).tolist()
-    lacking = [rank for rank, m in enumerate(missing) if m]
-    if lacking:
-        raise ValueError(
-            f"rank(s) {lacking} of {dp.world_size} cannot read the checkpoint {path} that rank 0 resumes from: "
-            "every rank loads it, so on several machines --run-dir must be a path on a filesystem they all share"
-        )
+def load_resume_checkpoint(dp: DataParallel, run_dir: str | os.PathLike, resume: bool = True) -> Checkpoint | None:
+    """The checkpoint a run resumes from, loaded and verified on every rank, or None (a fresh run).
+
+    Rank 0 picks the latest complete checkpoint in `run_dir` and every rank loads it (checksums
+    verified), so under a launch over several machines the run directory must be on a filesystem
+    they share. A collective (every rank calls it, with the same `resume`): if some rank cannot
+    load it (the path is missing there, a partial copy, a corrupt file), every rank raises the same
+    ValueError naming those ranks, instead of the others waiting for a rank that died alone in
+    their next collective."""
+    latest = dp.broadcast_object(find_latest_checkpoint(run_dir) if resume and dp.is_main else None)
+    if latest is None:
+        return None
+    ckpt, error = None, None
+    try:
+        ckpt = load_checkpoint(latest)
+    except (OSError, CheckpointError) as err:
+        if dp.world_size == 1:
+            raise
+        error = err
+    if dp.world_size > 1:
+        failed = dp.all_gather_rows(torch.tensor([int(error is not None)], device=dp.device)).tolist()
+        lacking = [rank for rank, f in enumerate(failed) if f]
+        if lacking:
+            raise ValueError(
+                f"rank(s) {lacking} of {dp.world_size} cannot read the checkpoint {latest} that rank 0 resumes from"
+                + (f" (rank {dp.rank}: {error})" if error is not None else "")
+                + ": every rank loads it, so on several machines --run-dir must be a path on a filesystem they all share"
+            ) from error
+    return ckpt
 
 
 def gather_rewards(dp: DataParallel, local: RewardResult) -> RewardResult:

@@ -35,11 +35,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from spot.cost import CostLedger, spot_gpus_held
-from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
+from spotlight.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
-    DataParallel, check_every_rank_reads, gather_rewards, gather_train_state, gather_trainable_weights, init_data_parallel,
+    DataParallel, load_resume_checkpoint, gather_rewards, gather_train_state, gather_trainable_weights, init_data_parallel,
     load_train_state, shard_transformer,
 )  # fmt: skip
 from spotlight.evaluate import evaluate
@@ -141,11 +141,10 @@ def _train(
     sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
 
     start_iter = 0
-    # Rank 0 picks the checkpoint; every rank reads it (the run dir must be one every rank can read).
-    latest = dp.broadcast_object(find_latest_checkpoint(run_dir) if resume and dp.is_main else None)
-    if latest is not None:
-        check_every_rank_reads(dp, latest)
-        ckpt = load_checkpoint(latest)
+    # Rank 0 picks the checkpoint; every rank loads it (the run dir must be one every rank can read).
+    ckpt = load_resume_checkpoint(dp, run_dir, resume)
+    last_ckpt: Path | None = None if ckpt is None else ckpt.path
+    if ckpt is not None:
         if trainer.ema is not None and "ema" in ckpt.tensors:
             # The moving average goes through the weights' loader (sharded under FSDP), then the
             # weights themselves; the optimizer state is loaded twice, the second time for good.
@@ -210,7 +209,6 @@ def _train(
     if cfg.train.autocast == "auto" and trainer.autocast != "none":
         console.print(f"train.autocast=auto: the update's forwards and backward run in {trainer.autocast} (train.autocast=none for float32)")
     history: list[dict] = []
-    last_ckpt: Path | None = latest
     budget = IterationBudget(cfg.train.max_minutes)
     cooling = cfg.train.lr_cooldown > 0 and cfg.train.max_minutes > 0
     columns = [TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]

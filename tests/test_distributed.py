@@ -107,9 +107,9 @@ def test_two_machines_match_one_process_and_a_run_dir_they_do_not_share_is_named
     """A launch over 2 machines of one process each (two `accelerate launch --num_machines 2`, both on
     127.0.0.1, each in its own working directory: every process has LOCAL_RANK 0, RANK 0 and 1)
     trains as 1 process does, and resumes from a run dir on a filesystem both share. A run dir only
-    machine 0 has (a relative path: each machine's own disk) cannot be resumed from by rank 1: both
-    machines stop with the same error naming the rank and the checkpoint, instead of rank 0 waiting
-    in a collective for a rank that died. Tolerances as in the 2-process test above."""
+    machine 0 has (a relative path: each machine's own disk), or of which machine 1 has a damaged
+    copy, cannot be resumed from by rank 1: both machines stop with the same error naming the rank
+    and the checkpoint, instead of rank 0 waiting in a collective for a rank that died. Tolerances as in the 2-process test above."""
     one, shared = tmp_path / "one", tmp_path / "shared"  # absolute paths: the shared filesystem
     machines = [tmp_path / "machine-0", tmp_path / "machine-1"]
     for m in machines:
@@ -142,6 +142,20 @@ def test_two_machines_match_one_process_and_a_run_dir_they_do_not_share_is_named
         assert "rank(s) [1] of 2 cannot read the checkpoint" in p.stderr and "step-00000003" in p.stderr, p.stderr[-2000:]
     assert not (machines[1] / "run").exists()  # rank 1 writes nothing to a run dir
     assert load_checkpoint(machines[0] / "run").step == 3
+
+    # A partial copy on machine 1: the step dir is there, one of its files is damaged. Rank 1's
+    # verification fails (sha256), and again both machines stop with one error naming rank 1.
+    shutil.copytree(shared, machines[1] / "run")
+    damaged = next((machines[1] / "run" / "checkpoints" / "step-00000003").glob("*.safetensors"))
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    procs = launch_machines(CPU_2PROC, machines, "train", *dp_overrides(tiny_model_dir, 4), "--run-dir", "run", timeout=180)
+    assert all(p.returncode != 0 for p in procs)
+    for p in procs:
+        assert "rank(s) [1] of 2 cannot read the checkpoint" in p.stderr, p.stderr[-2000:]
+    assert "sha256 does not match" in procs[1].stderr, procs[1].stderr[-2000:]
+    assert load_checkpoint(machines[0] / "run").step == 3  # nothing was written
 
 
 # -- the collectives, on 2 gloo processes -------------------------------------------------------

@@ -45,10 +45,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from spotlight.checkpoint import capture_rng_state, find_latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
+from spotlight.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
-    DataParallel, check_every_rank_reads, gather_sharded_train_state, init_data_parallel, load_sharded_train_state,
+    DataParallel, load_resume_checkpoint, gather_sharded_train_state, init_data_parallel, load_sharded_train_state,
     shard_module, swapped_shards,
 )  # fmt: skip
 from spotlight.optim import apply_lr_schedule, run_cooldown_scale
@@ -382,11 +382,10 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
     schedule = make_schedule(tc.schedule, policy, engine, reference, optimizer, cfg)
 
     start_iter = 0
-    # Rank 0 picks the checkpoint; every rank reads it (the run dir must be one every rank can read).
-    latest = dp.broadcast_object(find_latest_checkpoint(run_dir) if resume and dp.is_main else None)
-    if latest is not None:
-        check_every_rank_reads(dp, latest)
-        ckpt = load_checkpoint(latest)
+    # Rank 0 picks the checkpoint; every rank loads it (the run dir must be one every rank can read).
+    ckpt = load_resume_checkpoint(dp, run_dir, resume)
+    last_ckpt: Path | None = None if ckpt is None else ckpt.path
+    if ckpt is not None:
         if dp.sharded:  # a collective: rank 0's state is broadcast, each rank keeps its shards
             load_sharded_train_state(dp, policy.model, policy.has_lora, optimizer, ckpt.tensors["trainable"], ckpt.optimizer_state)
         else:
@@ -426,7 +425,6 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
     if dp.world_size > 1:
         console.print(f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {num_rollout * G} samples on rank 0")
     history: list[dict] = []
-    last_ckpt: Path | None = latest
     budget = IterationBudget(tc.max_minutes)
     cooling = tc.lr_cooldown > 0 and tc.max_minutes > 0
     columns = [TextColumn("[bold]VLM GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
