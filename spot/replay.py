@@ -98,10 +98,10 @@ class ReplayCluster:
         with self._lock:
             if name in self._nodes:
                 raise ValueError(f"node {name!r} is already up")
-        # Cluster's own wait (ray._private.services.wait_for_node) opens a new GCS client for the
-        # node table, about 1 s on 2 cores, which made every add take ~2.1 s instead of ~1.1 s and
-        # the later events of a burst of adds late by that much each. The cluster's connected
-        # node table answers in milliseconds.
+        # With Cluster's own wait (ray._private.services.wait_for_node, which sets up a new GCS
+        # client each time) an add took ~2.1 s on 2 cores instead of ~1.1 s, and the later events
+        # of a burst of adds were late by that much each. The cluster's connected node table
+        # answers in milliseconds.
         node = self.cluster.add_node(wait=False, **self._node_args, resources={SPOT: 1}, labels={NODE_LABEL: name})
         self._wait_registered(name, node.node_id)
         with self._lock:
