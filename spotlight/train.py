@@ -39,7 +39,7 @@ from spotlight.checkpoint import capture_rng_state, restore_rng_state, save_chec
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
-    DataParallel, load_resume_checkpoint, gather_rewards, gather_train_state, gather_trainable_weights, init_data_parallel,
+    DataParallel, gather_rewards, gather_train_state, gather_trainable_weights, init_data_parallel, load_resume_checkpoint,
     load_train_state, shard_transformer,
 )  # fmt: skip
 from spotlight.evaluate import evaluate

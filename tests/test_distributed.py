@@ -109,7 +109,8 @@ def test_two_machines_match_one_process_and_a_run_dir_they_do_not_share_is_named
     trains as 1 process does, and resumes from a run dir on a filesystem both share. A run dir only
     machine 0 has (a relative path: each machine's own disk), or of which machine 1 has a damaged
     copy, cannot be resumed from by rank 1: both machines stop with the same error naming the rank
-    and the checkpoint, instead of rank 0 waiting in a collective for a rank that died. Tolerances as in the 2-process test above."""
+    and the checkpoint, instead of rank 0 waiting in a collective for a rank that died. Tolerances
+    as in the 2-process test above."""
     one, shared = tmp_path / "one", tmp_path / "shared"  # absolute paths: the shared filesystem
     machines = [tmp_path / "machine-0", tmp_path / "machine-1"]
     for m in machines:

@@ -48,7 +48,7 @@ from rich.table import Table
 from spotlight.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
-    DataParallel, load_resume_checkpoint, gather_sharded_train_state, init_data_parallel, load_sharded_train_state,
+    DataParallel, gather_sharded_train_state, init_data_parallel, load_resume_checkpoint, load_sharded_train_state,
     shard_module, swapped_shards,
 )  # fmt: skip
 from spotlight.optim import apply_lr_schedule, run_cooldown_scale
