@@ -150,6 +150,8 @@ class TrainConfig:
     """The learning-rate factor the cooldown ends at."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_beta2: float = 0.999
+    """AdamW's second-moment decay: its horizon, about 1 / (1 - adam_beta2) optimizer steps, is how long a past gradient's size keeps scaling the steps down."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
     ema_decay: float = 0.0
@@ -344,6 +346,8 @@ class DiTRecipe:
             raise ValueError(f"explore.planner_family: {e}") from None
         if self.sample.guidance_scale < 1:
             raise ValueError(f"sample.guidance_scale must be >= 1 (1 disables CFG), got {self.sample.guidance_scale}")
+        if not 0 < self.train.adam_beta2 < 1:
+            raise ValueError(f"train.adam_beta2 must be in (0, 1), got {self.train.adam_beta2}")
         if not 0 <= self.train.ema_decay < 1:
             raise ValueError(f"train.ema_decay must be in [0, 1) (0: no moving average), got {self.train.ema_decay}")
         if self.train.lr_warmup_steps < 0:

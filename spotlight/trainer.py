@@ -51,7 +51,9 @@ class GRPOTrainer:
         # (A sharded transformer was synchronised before sharding: `distributed.shard_transformer`.)
         if not self.dp.sharded:
             self.dp.broadcast_tensors(self.params)
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.train.lr, betas=(0.9, cfg.train.adam_beta2), weight_decay=cfg.train.weight_decay
+        )
         self.autocast = resolve_train_autocast(cfg.train.autocast, policy.device, cfg.train.objective)
         """Resolved `train.autocast` of the "nft" update: "none" or "bfloat16"."""
         # Moving average of the trainable weights (train.ema_decay), what evaluation and export

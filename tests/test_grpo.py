@@ -271,6 +271,30 @@ def test_lr_warmup_must_not_be_negative():
         from_dict(DiTRecipe, {"train": {"lr_warmup_steps": -1}})
 
 
+def test_adam_beta2_sets_the_second_moment_decay(tiny_model_dir):
+    """train.adam_beta2: after the first optimizer step Adam's second moment is (1 - beta2) g^2."""
+    from spotlight.policy import load_policy
+
+    cfg = _cfg(tiny_model_dir, lr=1e-3, adam_beta2=0.9, minibatch_size=8)  # one optimizer step per update
+    policy = load_policy(cfg.model)
+    trainer = GRPOTrainer(policy, cfg)
+    grads: dict[torch.nn.Parameter, torch.Tensor] = {}
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        grads.update((p, p.grad.detach().clone()) for p in trainer.params if p.grad is not None)
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    ro, adv = _rollout_and_adv(policy, cfg)
+    trainer.update(ro, adv, iteration=0)
+    assert len(grads) > len(trainer.params) // 2 and any(g.abs().sum() > 0 for g in grads.values())
+    for p, g in grads.items():
+        torch.testing.assert_close(trainer.optimizer.state[p]["exp_avg_sq"], 0.1 * g.square(), rtol=1e-5, atol=0)  # g^2 is tiny
+    with pytest.raises(ValueError, match="train.adam_beta2 must be in \\(0, 1\\), got 1.0"):
+        from_dict(DiTRecipe, {"train": {"adam_beta2": 1.0}})
+
+
 def test_ema_follows_every_optimizer_step_and_swaps_in_for_evaluation(tiny_model_dir):
     """train.ema_decay=d: after each optimizer step, ema = d * ema + (1 - d) * weights, from the
     starting weights; `averaged_weights` runs with it in place and restores the trained weights."""
