@@ -154,7 +154,8 @@ class DiTPolicy:
             hidden_states=latents_BLC.to(dtype),
             encoder_hidden_states=embeds,
             encoder_hidden_states_mask=mask,
-            timestep=sigma_B.to(dtype),
+            # Trajectories keep their schedule on the CPU (it is tiny); the timestep follows the latents.
+            timestep=sigma_B.to(latents_BLC.device, dtype),
             img_shapes=[[(1, self.latent_h // 2, self.latent_w // 2)]] * batch,
             return_dict=False,
         )[0]

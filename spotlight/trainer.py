@@ -162,7 +162,8 @@ class GRPOTrainer:
         """
         cfg = self.cfg
         traj = ro.trajectory
-        adv_B = adv.adv_PG.reshape(-1)
+        # Advantages come from the rewards, on the CPU; the log-probs they weigh are on the policy's device.
+        adv_B = adv.adv_PG.reshape(-1).to(self.policy.device)
         lo, hi = self.dp.shard(len(adv_B))
         assert hi - lo == len(ro.prompts), (lo, hi, len(ro.prompts))
         trainable = torch.nonzero(adv.trainable_PG.reshape(-1)).squeeze(1)
@@ -231,9 +232,10 @@ class GRPOTrainer:
         tcfg = cfg.train
         traj = ro.trajectory
         x0_BLC = traj.final
+        device = x0_BLC.device
         schedule = traj.sigmas[:-1]
         num_groups, group_size = adv.adv_PG.shape
-        adv_B = adv.adv_PG.reshape(-1)
+        adv_B = adv.adv_PG.reshape(-1).to(device)
         lo, hi = self.dp.shard(len(adv_B))
         trainable = torch.nonzero(adv.trainable_PG.reshape(-1)).squeeze(1)
         # The sampling weights, for v_old after the first optimizer step (a copy only when needed;
@@ -250,8 +252,9 @@ class GRPOTrainer:
         self.policy.transformer.train()
         noise_gen = torch.Generator().manual_seed(derive_seed(tcfg.seed, iteration, 13))
         shape = (tcfg.num_inner_epochs, num_groups, tcfg.nft_num_timesteps)
-        sigma_EPK = schedule[nft_level_indices(len(schedule), shape, tcfg.nft_timestep_sampling, noise_gen)]
-        eps_EPKLC = torch.randn(*shape, *x0_BLC.shape[1:], generator=noise_gen)
+        # Drawn on the CPU (the same levels and noise on every device), then moved to the latents.
+        sigma_EPK = schedule[nft_level_indices(len(schedule), shape, tcfg.nft_timestep_sampling, noise_gen)].to(device)
+        eps_EPKLC = torch.randn(*shape, *x0_BLC.shape[1:], generator=noise_gen).to(device)
         for epoch in range(tcfg.num_inner_epochs):
             gen = torch.Generator().manual_seed(derive_seed(tcfg.seed, iteration, epoch, 11))
             order = trainable[torch.randperm(len(trainable), generator=gen)]
