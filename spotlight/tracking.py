@@ -21,7 +21,6 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
-import wandb
 from PIL import Image
 
 logger = logging.getLogger(__name__)
@@ -142,6 +141,15 @@ class Tracker:
         else:
             run_id = uuid.uuid4().hex[:12]
             id_path.write_text(run_id + "\n", encoding="utf-8")
+        self.run_id = run_id
+        self._run = None
+        self._finished = False
+        if mode == "disabled":
+            # No wandb at all: not even its import (a second of start-up, and a package that GPU
+            # images often lack).
+            return
+        import wandb
+
         self._run = wandb.init(
             project=project,
             name=run_name,
@@ -154,10 +162,8 @@ class Tracker:
             # capture would otherwise interleave with our progress bars.
             settings=wandb.Settings(silent=True, console="off"),
         )
-        self.run_id = run_id
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
-        self._finished = False
 
     def _truncate_history(self, resume_step: int | None) -> None:
         """Drop rows and images after `resume_step`, and a cut-off last row (atomic rewrite)."""
@@ -192,7 +198,8 @@ class Tracker:
                 raise ValueError(f"metric {name!r} must be a single number, got {value!r}") from e
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
-        self._run.log(row)
+        if self._run is not None:
+            self._run.log(row)
 
     def log_images(
         self, key: str, images: torch.Tensor, captions: list[str], step: int, nrow: int
@@ -218,13 +225,17 @@ class Tracker:
         path.parent.mkdir(exist_ok=True)
         grid.save(path)
         caption = " | ".join(f"{i}: {c}" for i, c in enumerate(captions))
-        self._run.log({key: wandb.Image(grid, caption=caption), "step": int(step)})
+        if self._run is not None:
+            import wandb
+
+            self._run.log({key: wandb.Image(grid, caption=caption), "step": int(step)})
         return path
 
     def finish(self, exit_code: int = 0) -> None:
         """Close the wandb run (once; later calls do nothing). A non-zero code marks it failed."""
         if not self._finished:
-            self._run.finish(exit_code=exit_code)
+            if self._run is not None:
+                self._run.finish(exit_code=exit_code)
             self._finished = True
 
     def __enter__(self) -> Tracker:

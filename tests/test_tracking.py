@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -92,3 +94,18 @@ def test_disabled_mode_still_writes_metrics(tmp_path):
     with pytest.raises(ValueError, match="mode"):
         Tracker(tmp_path, project="p", run_name="n", mode="cloud", config={})
     assert read_metrics(tmp_path / "nothing-here") == []
+
+
+def test_disabled_mode_never_imports_wandb(tmp_path):
+    """A fresh interpreter: training with wandb off neither needs nor loads the package."""
+    code = (
+        "import sys, torch\n"
+        "from spotlight.tracking import Tracker\n"
+        f"with Tracker({str(tmp_path)!r}, project='p', run_name='n', mode='disabled', config={{}}) as t:\n"
+        "    t.log({'x': 1}, step=0)\n"
+        "    t.log_images('samples/eval', torch.rand(2, 3, 8, 8), ['a', 'b'], step=0, nrow=2)\n"
+        "assert 'wandb' not in sys.modules, 'wandb was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert read_metrics(tmp_path) == [{"step": 0, "x": 1.0}]
+    assert (tmp_path / "images" / "samples_eval-000000.png").is_file()
