@@ -9,8 +9,9 @@
 # On a lent GPU machine (bare, no package registry) in one call:
 #   1. once, on the development machine, in the repo root (pip works there):
 #        bash benchmarks/gpu_check.sh --fetch-wheels
-#      downloads the wheels the GPU image lacks (diffusers, xfuser, yunchang, distvae; ~7 MB,
-#      pure Python) into .whl/ and adds /.whl/ to .git/info/exclude (the tree carried is <= 64 MiB).
+#      downloads the wheels the GPU image lacks or holds at other versions (diffusers, xfuser,
+#      transformers, peft, the hub stack; ~29 MB) into .whl/ and adds /.whl/ to .git/info/exclude
+#      (the tree carried is <= 64 MiB).
 #   2. device run tool:  command "bash benchmarks/gpu_check.sh", carry [".whl"], timeout_s 420.
 #      The JSON also lands in $OUT/gpu_check.json and the log in $OUT/gpu_check.log.
 #   Expected: well under 3 minutes on one H200 after the machine starts (2 transformer blocks).
@@ -25,14 +26,21 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-WHEELS="diffusers==0.42.1 xfuser==0.7.0 yunchang==0.6.4 distvae==0.1.0"
+# diffusers and the xDiT stack are missing on the lent image; transformers, peft and the hub stack
+# under them are there but older (transformers 5.17 needs hub 1.x), so the versions the CPU test suite
+# runs are carried too: the GPU figures then come from the same library code as the tests.
+WHEELS="diffusers==0.42.1 xfuser==0.7.0 yunchang==0.6.4 distvae==0.1.0 transformers==5.25.0 peft==0.21.2"
+WHEELS="$WHEELS huggingface_hub==2.4.0 hf-xet==1.8.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5"
+WHEELS="$WHEELS kernels==0.19.1 tomlkit==0.15.3 regex==2026.11.19 click==8.5.1"
 
 if [ "${1:-}" = "--fetch-wheels" ]; then
     set -e
     python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl $WHEELS
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    mkdir -p "$(git rev-parse --git-dir)/info"
+    grep -qx '/.whl/' "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null \
+        || echo '/.whl/' >> "$(git rev-parse --git-dir)/info/exclude"
     ls -l .whl
     exit 0
 fi
