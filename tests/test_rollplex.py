@@ -45,7 +45,7 @@ def _setup(cfg: VLMRecipe, schedule: str):
     with torch.no_grad():
         for p in policy.model.parameters():
             if p.requires_grad:
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+                p.add_(0.05 * torch.randn(p.shape, generator=gen).to(p.device))
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     sched = make_schedule(schedule, policy, HFRolloutEngine(policy), reference, optimizer, cfg)
@@ -99,8 +99,13 @@ def test_prefix_plus_suffix_logprobs_equal_the_full_forward(folder):
     ],
     ids=["full", "frozen-vision-offpolicy", "lora"],
 )
-def test_rollplex_step_equals_serial(folder, overrides):
-    cfg = _recipe(folder, *overrides)
+@pytest.mark.parametrize(
+    "device",
+    # On CUDA the prefixes run on a side stream, concurrently with the decode (`pytest -m gpu`).
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])],
+)
+def test_rollplex_step_equals_serial(folder, overrides, device):
+    cfg = _recipe(folder, f"model.device={device}", *overrides)
     serial, rollplex = _step(cfg, "serial"), _step(cfg, "rollplex")
     assert torch.equal(serial["tokens"], rollplex["tokens"])
     torch.testing.assert_close(rollplex["ref"], serial["ref"], atol=1e-6, rtol=0)
