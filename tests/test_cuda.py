@@ -1,4 +1,5 @@
-"""The CUDA paths of the sampler and the GRPO update, against the same code on the CPU.
+"""The CUDA paths: the sampler and the GRPO updates against the same code on the CPU, the tiny
+recipe through the CLI, the VLM trainer.
 
 Marked `gpu` (CI has no GPU and does not run them); run them on a GPU host with
 `python -m pytest -m gpu tests/test_cuda.py`. They exist because the update once crashed on CUDA
@@ -100,7 +101,7 @@ def test_update_on_cuda_moves_the_weights_as_on_the_cpu(tiny_model_dir, objectiv
 
 
 def test_cli_trains_resumes_and_evaluates_the_tiny_recipe_on_cuda(tmp_path, capsys):
-    """The README's job on a GPU through the CLI's own entry point: train, resume, eval, sample."""
+    """The README's job on a GPU through the CLI's own entry point: train, resume, eval."""
     from spotlight.checkpoint import load_checkpoint
     from spotlight.cli import main
 
