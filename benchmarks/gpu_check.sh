@@ -38,9 +38,9 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
     python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl $WHEELS
-    mkdir -p "$(git rev-parse --git-dir)/info"
-    grep -qx '/.whl/' "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null \
-        || echo '/.whl/' >> "$(git rev-parse --git-dir)/info/exclude"
+    exclude="$(git rev-parse --git-dir)/info/exclude"
+    mkdir -p "$(dirname "$exclude")"
+    grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
     ls -l .whl
     exit 0
 fi
