@@ -37,6 +37,11 @@ rollout+reward throughput per torch thread times explorer_threads, halved
 (explore/throughput_guessed = 1). Each job also carries a time limit, the predicted step time: an
 explorer starts no batch after it and returns what it has.
 
+A stale window whose budget is too small for one prompt (G + 1 candidates) sends that smallest
+plan anyway (explore/probe = 1): otherwise a throughput measured while the explorers were slowed
+down (a shared CPU, a cold start) would never be measured again and exploration would stop for
+the rest of the run.
+
 Fallbacks. A planned prompt trains on its default seeds when fewer than G + 1 of its candidates
 came back; the cause is counted in explore/fallback_<cause> (prompts):
     late     its job was still running when the update ended
@@ -381,6 +386,8 @@ class _Window:
     jobs: list[ExploreJob]
     handles: list[Any]
     launched: float
+    probe: bool = False
+    """The budget was too small for one prompt; the smallest plan went out to re-measure throughput."""
     window_s: float = 0.0
     results: list[ExploreResult] = field(default_factory=list)
     failed: list[tuple[ExploreJob, str]] = field(default_factory=list)
@@ -567,9 +574,17 @@ class Exploration:
         )
         ids = planner_ids(prompts_P)
         counts_P = [0] * len(prompts_P)
-        if budget.num_samples > self.group_size:
+        plan_samples = budget.num_samples
+        # Probe (stale mode): the throughput mean learns only from explorers' reports, so a budget
+        # too small for one prompt (G + 1 candidates) would never be re-measured and a slow
+        # measurement (a busy shared CPU, a cold start) would end exploration for good. The
+        # smallest plan goes out instead, time-limited like every stale window; nothing waits.
+        probe = time_limit and bool(live) and plan_samples <= self.group_size
+        if probe:
+            plan_samples = self.group_size + 1
+        if plan_samples > self.group_size:
             alloc = self.planner.plan(
-                ids, budget.num_samples, group_size=self.group_size,
+                ids, plan_samples, group_size=self.group_size,
                 max_candidates=self.ecfg.candidates_cap(self.group_size),
             )  # fmt: skip
             counts_P = [alloc[i] for i in ids]
@@ -582,7 +597,7 @@ class Exploration:
         if jobs:
             self.pool.publish(version, weights())
             handles = [self.pool.submit(live[j], job) for j, job in enumerate(jobs)]
-        window = _Window(iteration, version, ids, counts_P, budget, jobs, handles, time.monotonic())
+        window = _Window(iteration, version, ids, counts_P, budget, jobs, handles, time.monotonic(), probe=probe)
         if not jobs:
             self._collected[iteration] = window
             return None
@@ -639,6 +654,7 @@ class Exploration:
         busy = sum(r.busy_s for r in window.results) + window.window_s * sum(c == "late" for _, c in window.failed)
         m = {
             "explore/budget_samples": b.num_samples,
+            "explore/probe": float(window.probe),
             "explore/predicted_update_s": b.update_s,
             "explore/samples_per_s": b.samples_per_s,
             "explore/throughput_guessed": float(b.guessed_throughput),

@@ -24,6 +24,7 @@ joining a user's cluster (`explore.ray_address`), whose nodes must reach each ot
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -292,9 +293,38 @@ class RayExplorerPool:
                     logger.warning("shutting down exploration: %s", err)
 
 
+def warn_if_cpus_oversubscribed(cfg: DiTRecipe, num_cpus: int | None = None) -> str | None:
+    """Warn (and return the message) when a local cluster's explorers and the trainer want more
+    CPUs than this machine has.
+
+    Ray starts worker processes at niceness 15 (its `worker_niceness` setting), so on a shared CPU
+    the explorers get only what the trainer leaves idle: measured on 2 cores with the trainer's 2
+    threads, one 16-candidate batch took 10-13 s instead of 0.4 s, and the budget fell to nothing.
+    That keeps exploration off the critical path, as on real spot GPUs, but it explores little.
+    """
+    e = cfg.explore
+    cpus = num_cpus or len(os.sched_getaffinity(0))
+    trainer = cfg.train.num_threads or torch.get_num_threads()
+    explorers = e.num_spot_nodes * e.explorer_threads
+    if trainer + explorers <= cpus:
+        return None
+    msg = (
+        f"local exploration cluster: the trainer's {trainer} torch thread(s) (train.num_threads) and "
+        f"{e.num_spot_nodes} explorer(s) x {e.explorer_threads} thread(s) share {cpus} CPU(s); Ray runs the "
+        "explorers at a lower priority, so they get only the CPU the trainer leaves idle and explore little "
+        "(see explore/samples_per_s). Give them cores of their own"
+        + (f", e.g. train.num_threads={cpus - 1} explore.num_spot_nodes=1 on this machine," if cpus >= 2 else "")
+        + " or join a cluster with explore.ray_address."
+    )
+    logger.warning("%s", msg)
+    return msg
+
+
 def start_ray_pool(cfg: DiTRecipe) -> RayExplorerPool:
     """Start (or join) the Ray cluster and the explorers; the pool's `close` undoes both."""
     e = cfg.explore
+    if not e.ray_address:
+        warn_if_cpus_oversubscribed(cfg)
     cluster = LocalCluster(e.num_spot_nodes) if not e.ray_address else None
     import ray
 

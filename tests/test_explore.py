@@ -13,6 +13,7 @@ import os
 # Bind every Ray process to 127.0.0.1; read when `ray` is first imported (design.md §4).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -81,6 +82,21 @@ def test_budget_is_step_time_times_throughput_with_flagged_guesses():
     again = BudgetModel(ema=0.5)
     again.load_state_dict(json.loads(json.dumps(bm.state_dict())))
     assert again.budget(3, 0.5, rollout_s=9.0, guess_samples_per_s=99.0) == b
+
+
+def test_a_local_cluster_that_oversubscribes_the_cpus_is_named(caplog):
+    from spotlight.explorer_actor import warn_if_cpus_oversubscribed
+
+    cfg = DiTRecipe()
+    cfg.train.num_threads = 2
+    cfg.explore.num_spot_nodes = 2
+    with caplog.at_level("WARNING"):
+        msg = warn_if_cpus_oversubscribed(cfg, num_cpus=2)
+    assert msg is not None and msg in caplog.text
+    assert "2 torch thread(s)" in msg and "2 explorer(s)" in msg and "train.num_threads=1 explore.num_spot_nodes=1" in msg
+    cfg.train.num_threads, cfg.explore.num_spot_nodes = 1, 1
+    assert warn_if_cpus_oversubscribed(cfg, num_cpus=2) is None
+    assert warn_if_cpus_oversubscribed(cfg, num_cpus=1) is not None
 
 
 def test_split_jobs_cover_the_plan_once_prompt_major():
@@ -302,6 +318,50 @@ def test_stale_selects_when_the_window_finishes_in_time(tiny_model_dir, ray_addr
         if row["version"] is not None:
             assert row["version"] == row["iteration"] - 1 and r["explore/staleness"] == 1
     assert all(r["explore/fallback_late"] == 0 for r in rows)
+
+
+def test_a_budget_too_small_for_one_prompt_probes_and_recovers(tiny_model_dir, ray_address, tmp_path, monkeypatch):
+    """Regression: one slow throughput report (an explorer starved by a busy CPU, a cold start) left
+    a budget of fewer than G + 1 candidates, nothing was planned again, so nothing re-measured the
+    throughput and exploration stopped for the rest of the run. Now the smallest plan goes out."""
+    import ray
+
+    from spotlight.train import run_training
+
+    launch = Exploration.launch
+
+    def launch_then_let_it_finish(self, iteration, *args, **kwargs):
+        launch(self, iteration, *args, **kwargs)
+        if self._window is not None:  # deterministic: every window's report arrives in time
+            refs = [h.ref for h in self._window.handles]
+            ray.wait(refs, num_returns=len(refs), timeout=120)
+
+    learn = Exploration._learn
+    starved = []
+
+    def first_window_starved(self, window, res):
+        # Every report of the first explored window is made 10,000 times slower, as a starved
+        # explorer's would be.
+        if not starved or starved[0] == window.iteration:
+            starved.append(window.iteration)
+            res = dataclasses.replace(res, busy_s=res.busy_s * 1e4)
+        learn(self, window, res)
+
+    monkeypatch.setattr(Exploration, "launch", launch_then_let_it_finish)
+    monkeypatch.setattr(Exploration, "_learn", first_window_starved)
+    cfg = tiny_recipe(tiny_model_dir, "stale", ray_address=ray_address, ema=1.0)
+    cfg.train.num_iterations = 5
+    run_training(cfg, tmp_path, progress=False)
+    rows = read_metrics(tmp_path)
+    G = cfg.train.group_size
+    budgets = [r.get("explore/budget_samples") for r in rows]
+    probes = [r.get("explore/probe") for r in rows]
+    k = starved[0] + 1  # the first batch planned from the starved throughput
+    assert budgets[k] <= G and probes[k] == 1 and rows[k]["explore/candidates_planned"] == G + 1, (k, budgets, probes)
+    assert rows[k]["explore/candidates_scored"] > 0  # the probe was sampled, and measured the real speed
+    assert k + 1 < len(rows), "no iteration left to see the recovery"
+    assert budgets[k + 1] > G and probes[k + 1] == 0, (k, budgets, probes)
+    assert rows[k + 1]["explore/prompts_selected"] > 0
 
 
 def test_fallback_when_an_explorer_is_killed_mid_window(tiny_model_dir, ray_address, tmp_path, monkeypatch):
