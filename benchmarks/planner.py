@@ -11,11 +11,26 @@ The bandit groups prompts into families as the embedded recipe does (`--family`,
 `explore.planner_family` of `DiTRecipe`, "shapes_counts"; planners/families.py); the same bandit
 with one family for all prompts is reported beside it (`bandit_one_family`).
 
+The budget. The default, 0.193, is what the tiny recipe's stale exploration actually had on this
+2-core machine (one explorer core, the trainer on the other): a mean of 197 candidates per window
+against 16 prompts x 64 candidates, measured with
+
+    .venv/bin/spotlight train configs/dit/tiny-shapes.yaml explore.mode=stale explore.num_spot_nodes=1 \
+        train.num_threads=1 train.num_iterations=10 --run-dir R
+    .venv/bin/python benchmarks/planner.py --table T --budget-from R
+
+`--budget-from RUN_DIR` reads a run's measured budgets (`explore/budget_samples` of the windows
+whose throughput and update time were measured, not guessed) and divides their mean by
+prompts_per_iteration x the most candidates of a prompt of that run. How much allocation can
+gain depends on the budget: with half of every candidate (0.5) uniform exploration already
+captures most of the variance. `sweep` reports vs_uniform and vs_oracle at several fractions
+beside the main figure, so no single budget stands alone.
+
 The main path is a table recorded by a real run (`--table`, .json or .npz; format in
 planners/tables.py). Without it, a seeded synthetic non-stationary table is used and the JSON
 says "table": "synthetic". Prints one JSON line.
 
-    .venv/bin/python benchmarks/planner.py --table runs/<run>/reward_table.npz
+    .venv/bin/python benchmarks/planner.py --table benchmarks/data/tiny-shapes-rewards-long6k.npz
     .venv/bin/python benchmarks/planner.py                   # synthetic
     .venv/bin/python benchmarks/planner.py --table T --family ""   # the bandit without families
 """
@@ -24,15 +39,55 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+from pathlib import Path
 
 from planners import build_planner, load_reward_table, prompt_family, replay, synthetic_reward_table
-from spotlight.config import ExploreConfig
+from spotlight.config import DiTRecipe, ExploreConfig
+
+MEASURED_BUDGET_FRACTION = 0.193
+"""The tiny recipe's stale budget on 2 cores (module docstring): 197 candidates of 16 x 64."""
+
+SWEEP = (0.1, 0.2, 0.3, 0.5, 0.75)
+
+
+def budget_fraction_of_run(run_dir: str | Path) -> float:
+    """Mean measured exploration budget of a run over prompts_per_iteration x max candidates."""
+    from spotlight.config_io import load_config
+    from spotlight.tracking import read_metrics
+
+    run_dir = Path(run_dir)
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        raise SystemExit(f"--budget-from {run_dir}: no config.yaml (not a spotlight run directory)")
+    cfg = load_config(DiTRecipe, config)
+    budgets = [
+        r["explore/budget_samples"]
+        for r in read_metrics(run_dir)
+        if "explore/budget_samples" in r and not r.get("explore/throughput_guessed") and not r.get("explore/update_guessed")
+    ]
+    if not budgets:
+        raise SystemExit(f"--budget-from {run_dir}: no window with a measured budget in metrics.jsonl (explore.mode none?)")
+    t = cfg.train
+    return statistics.fmean(budgets) / (t.prompts_per_iteration * cfg.explore.candidates_cap(t.group_size))
+
+
+def build_planners(family: str, seed: int) -> dict:
+    planners = {"bandit": build_planner("bandit", seed=seed, family=prompt_family(family))}
+    planners |= {name: build_planner(name, seed=seed) for name in ("uniform", "greedy", "none")}
+    planners["bandit_one_family"] = build_planner("bandit", seed=seed)
+    return planners
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--table", default="", help="reward table (.json or .npz); default: synthetic")
-    parser.add_argument("--budget-fraction", type=float, default=0.5, help="budget / (prompts x max candidates)")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--budget-fraction", type=float, default=MEASURED_BUDGET_FRACTION,
+        help="budget / (prompts x max candidates); default: the tiny recipe's measured stale budget",
+    )  # fmt: skip
+    budget.add_argument("--budget-from", default="", help="a stale or inline run directory: its measured budget")
     parser.add_argument("--group-size", type=int, default=0, help="G; default: the table's, else 8")
     parser.add_argument("--seed", type=int, default=0, help="planner seed (and the synthetic table's)")
     parser.add_argument(
@@ -40,13 +95,15 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    fraction = round(budget_fraction_of_run(args.budget_from), 4) if args.budget_from else args.budget_fraction
     table = load_reward_table(args.table) if args.table else synthetic_reward_table(seed=args.seed)
     group_size = args.group_size or table.group_size or 8
-    planners = {"bandit": build_planner("bandit", seed=args.seed, family=prompt_family(args.family))}
-    planners |= {name: build_planner(name, seed=args.seed) for name in ("uniform", "greedy", "none")}
-    planners["bandit_one_family"] = build_planner("bandit", seed=args.seed)
-    result = replay(table, planners, group_size=group_size, budget_fraction=args.budget_fraction)
+    result = replay(table, build_planners(args.family, args.seed), group_size=group_size, budget_fraction=fraction)
     captured = result.captured
+    sweep = {}
+    for f in SWEEP:
+        c = replay(table, build_planners(args.family, args.seed), group_size=group_size, budget_fraction=f).captured
+        sweep[str(f)] = {"vs_uniform": round(c["bandit"] / c["uniform"], 4), "vs_oracle": round(c["bandit"] / c["oracle"], 4)}
     print(
         json.dumps(
             {
@@ -60,7 +117,9 @@ def main() -> None:
                 "zero_variance_groups": result.zero_variance_groups,
                 "samples_spent": result.samples_spent,
                 "budget_samples": sum(result.budget_samples),
-                "budget_fraction": args.budget_fraction,
+                "budget_fraction": fraction,
+                "budget_from": args.budget_from or None,
+                "sweep": sweep,
                 "groups": sum(len(it) for it in table.iterations),
                 "iterations": len(table.iterations),
                 "group_size": group_size,

@@ -348,3 +348,33 @@ def test_benchmark_prints_one_json_line(tmp_path):
     result = json.loads(out[0])
     assert result["table"].endswith("t.json") and result["iterations"] == 3 and result["group_size"] == 8
     assert result["vs_oracle"] <= 1.0 and "vs_uniform" in result
+
+
+def test_benchmark_reads_the_budget_a_run_measured(tmp_path):
+    """`--budget-from RUN_DIR`: the mean of the run's measured (not guessed) budgets over P x max candidates."""
+    from spotlight.config import DiTRecipe
+    from spotlight.config_io import save_config
+
+    cfg = DiTRecipe()
+    cfg.train.prompts_per_iteration, cfg.train.group_size, cfg.explore.max_candidates = 4, 4, 10
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(cfg, run / "config.yaml")
+    rows = [
+        {"step": 1},  # nothing explored yet
+        {"step": 2, "explore/budget_samples": 40, "explore/throughput_guessed": 1.0, "explore/update_guessed": 1.0},
+        {"step": 3, "explore/budget_samples": 10, "explore/throughput_guessed": 0.0, "explore/update_guessed": 0.0},
+        {"step": 4, "explore/budget_samples": 14, "explore/throughput_guessed": 0.0, "explore/update_guessed": 0.0},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = synthetic_reward_table(seed=1, num_iterations=2, pool_size=8, prompts_per_iteration=4, num_candidates=16)
+    save_reward_table(table, tmp_path / "t.json")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "planner.py"), "--table", str(tmp_path / "t.json")]
+    out = subprocess.run([*cmd, "--budget-from", str(run)], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    result = json.loads(out)
+    assert result["budget_fraction"] == 0.3 and result["budget_from"] == str(run)  # mean(10, 14) / (4 x 10)
+    assert set(result["sweep"]) == {"0.1", "0.2", "0.3", "0.5", "0.75"}
+    assert result["sweep"]["0.3"] == {"vs_uniform": result["vs_uniform"], "vs_oracle": result["vs_oracle"]}
+    (run / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    bad = subprocess.run([*cmd, "--budget-from", str(run)], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode != 0 and "no window with a measured budget" in bad.stderr
