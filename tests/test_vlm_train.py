@@ -60,8 +60,10 @@ def test_recipes_equal_the_defaults():
 
 def test_a_grpo_step_changes_trained_weights_and_keeps_frozen_ones(base, tmp_path):
     run = tmp_path / "run"
-    summary = run_training(_recipe(base, "train.num_iterations=1", "model.train_vision=false"), run, progress=False)
+    recipe = _recipe(base, "train.num_iterations=1", "model.train_vision=false", "train.adam_beta2=0.95")
+    summary = run_training(recipe, run, progress=False)
     assert summary["iterations"] == 1
+    assert all(tuple(g["betas"]) == (0.9, 0.95) for g in load_checkpoint(run).optimizer_state["param_groups"])
     trained = _weights(run)
     start = dict(VLMPolicy.load(base).model.named_parameters())
     assert not any(".visual." in n for n in trained)
@@ -239,6 +241,9 @@ def test_new_train_fields_default_off_and_are_validated():
         load_config(VLMRecipe, None, ["train.clip_range_high=-0.1"])
     with pytest.raises(ValueError, match="refill_prompts"):
         load_config(VLMRecipe, None, ["train.refill_prompts=-1"])
+    assert tc.adam_beta2 == 0.999  # AdamW's own default: unchanged behaviour
+    with pytest.raises(ValueError, match="train.adam_beta2 must be in \\(0, 1\\), got 1.0"):
+        load_config(VLMRecipe, None, ["train.adam_beta2=1.0"])
 
 
 @pytest.mark.parametrize("schedule", ["serial", "rollplex"])

@@ -154,6 +154,8 @@ class TrainConfig:
     """The learning-rate factor the cooldown ends at."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_beta2: float = 0.999
+    """AdamW's second-moment decay (its horizon is about 1 / (1 - adam_beta2) optimizer steps; the DiT tiny recipe uses 0.99, untested here)."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
     clip_range: float = 0.2
@@ -202,6 +204,8 @@ class TrainConfig:
             raise ValueError(f"train.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         if self.max_minutes < 0:
             raise ValueError(f"train.max_minutes must be >= 0 (0: no limit), got {self.max_minutes}")
+        if not 0 < self.adam_beta2 < 1:
+            raise ValueError(f"train.adam_beta2 must be in (0, 1), got {self.adam_beta2}")
         if not 0 <= self.lr_cooldown < 1 or not 0 <= self.lr_cooldown_floor <= 1:
             raise ValueError(
                 f"train.lr_cooldown must be in [0, 1) and train.lr_cooldown_floor in [0, 1], got {self.lr_cooldown}, {self.lr_cooldown_floor}"

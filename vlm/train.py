@@ -376,7 +376,7 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
         dp.broadcast_tensors(params)
     engine = ENGINES[cfg.rollout.engine](policy, batch_size=cfg.rollout.batch_size, synced_gpus=dp.sharded)
     reference = Reference(policy, tc.beta, sharded=dp.sharded)
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, tc.adam_beta2), weight_decay=tc.weight_decay)
     reward_fn = CombinedReward(cfg.reward.weights)
     stream = TrainStream(cfg.task, seed=tc.seed)
     schedule = make_schedule(tc.schedule, policy, engine, reference, optimizer, cfg)
