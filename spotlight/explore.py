@@ -37,10 +37,11 @@ rollout+reward throughput per torch thread times explorer_threads, halved
 (explore/throughput_guessed = 1). Each job also carries a time limit, the predicted step time: an
 explorer starts no batch after it and returns what it has.
 
-A stale window whose budget is too small for one prompt (G + 1 candidates) sends that smallest
-plan anyway (explore/probe = 1): otherwise a throughput measured while the explorers were slowed
-down (a shared CPU, a cold start) would never be measured again and exploration would stop for
-the rest of the run.
+A stale window whose budget is too small for one prompt (G + 1 candidates) because of the
+measured throughput, where the guessed throughput would allow one, sends that smallest plan
+anyway (explore/probe = 1): otherwise a throughput measured while the explorers were slowed down
+(a shared CPU, a cold start) would never be measured again and exploration would stop for the
+rest of the run.
 
 Fallbacks. A planned prompt trains on its default seeds when fewer than G + 1 of its candidates
 came back; the cause is counted in explore/fallback_<cause> (prompts):
@@ -575,11 +576,16 @@ class Exploration:
         ids = planner_ids(prompts_P)
         counts_P = [0] * len(prompts_P)
         plan_samples = budget.num_samples
-        # Probe (stale mode): the throughput mean learns only from explorers' reports, so a budget
-        # too small for one prompt (G + 1 candidates) would never be re-measured and a slow
-        # measurement (a busy shared CPU, a cold start) would end exploration for good. The
-        # smallest plan goes out instead, time-limited like every stale window; nothing waits.
-        probe = time_limit and bool(live) and plan_samples <= self.group_size
+        # Probe (stale mode): the throughput mean learns only from explorers' reports, so when the
+        # measured throughput makes the budget too small for one prompt (G + 1 candidates), it
+        # would never be re-measured and a slow measurement (a busy shared CPU, a cold start)
+        # would end exploration for good. If the a-priori guess of the throughput would allow a
+        # plan, the smallest plan goes out instead, time-limited like every stale window; nothing
+        # waits. (A budget that is small at the guess too, e.g. a tiny budget_fraction, stays empty.)
+        probe = (
+            time_limit and bool(live) and plan_samples <= self.group_size
+            and exploration_budget(budget.update_s, self._guess_samples_per_s, len(live), self.ecfg.budget_fraction) > self.group_size
+        )  # fmt: skip
         if probe:
             plan_samples = self.group_size + 1
         if plan_samples > self.group_size:
