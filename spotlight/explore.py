@@ -576,12 +576,8 @@ class Exploration:
         ids = planner_ids(prompts_P)
         counts_P = [0] * len(prompts_P)
         plan_samples = budget.num_samples
-        # Probe (stale mode): the throughput mean learns only from explorers' reports, so when the
-        # measured throughput makes the budget too small for one prompt (G + 1 candidates), it
-        # would never be re-measured and a slow measurement (a busy shared CPU, a cold start)
-        # would end exploration for good. If the a-priori guess of the throughput would allow a
-        # plan, the smallest plan goes out instead, time-limited like every stale window; nothing
-        # waits. (A budget that is small at the guess too, e.g. a tiny budget_fraction, stays empty.)
+        # Probe (module docstring): a stale window the measured throughput, not the budget
+        # setting, leaves without a plan sends the smallest one; nothing waits for it.
         probe = (
             time_limit and bool(live) and plan_samples <= self.group_size
             and exploration_budget(budget.update_s, self._guess_samples_per_s, len(live), self.ecfg.budget_fraction) > self.group_size

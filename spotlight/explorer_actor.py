@@ -323,9 +323,10 @@ def warn_if_cpus_oversubscribed(cfg: DiTRecipe, num_cpus: int | None = None) -> 
 def start_ray_pool(cfg: DiTRecipe) -> RayExplorerPool:
     """Start (or join) the Ray cluster and the explorers; the pool's `close` undoes both."""
     e = cfg.explore
+    cluster = None
     if not e.ray_address:
         warn_if_cpus_oversubscribed(cfg)
-    cluster = LocalCluster(e.num_spot_nodes) if not e.ray_address else None
+        cluster = LocalCluster(e.num_spot_nodes)
     import ray
 
     try:
