@@ -325,6 +325,8 @@ def test_mistakes_score_lower(prompt, wrong_count, wrong_shape, extra_color):
         scores = S.score_images(np.stack(images), [prompt] * 4)
         assert scores[0] == pytest.approx(1.0)
         assert max(scores[1:]) < scores[0]
+        # The all-or-nothing verdict: partial credit for a mistake is none.
+        np.testing.assert_array_equal(S.exact_images(np.stack(images), [prompt] * 4), [1, 0, 0, 0])
 
 
 def test_unclear_pixels_reduce_the_score_mildly():
@@ -505,3 +507,15 @@ def test_breakdown_parts_of_known_images_and_as_zero_weight_rewards():
     torch.testing.assert_close(result.total_B, result.components["shapes"])
     torch.testing.assert_close(result.components["shapes_count"], torch.zeros(2))
     torch.testing.assert_close(result.components["shapes_extra_blobs"], torch.tensor([1.0, 0.0]))
+
+
+def test_exact_reward_is_registered_and_all_or_nothing():
+    """`shapes_exact` (per image: right as a whole, GenEval's verdict); test_mistakes_score_lower
+    checks it on one mistake of each kind."""
+    prompt = "three blue squares and one yellow circle"
+    images = _render([prompt, "three blue squares and two yellow circles"])
+    assert S.exact_images(np.ones((1, 64, 64, 3), dtype=np.float32), [prompt]).tolist() == [0.0]
+    result = build_reward({"shapes_exact": 1.0, "shapes": 0.0})(images, [prompt, prompt])
+    torch.testing.assert_close(result.total_B, torch.tensor([1.0, 0.0]))
+    assert 0 < float(result.components["shapes"][1]) < 1  # the partial credit the exact verdict withholds
+    assert build_reward({"shapes_exact": 1.0})(images[:1], ["a photo of a cat"]).num_failed == 1

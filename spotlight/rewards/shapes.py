@@ -458,7 +458,7 @@ def score_analysis(clauses: list[Clause], analysis: ImageAnalysis) -> float:
 
 BREAKDOWN = ("present", "count", "shape", "extra_blobs", "unclear")
 """The parts of the score `breakdown_analysis` measures (each also a reward `shapes_<part>`)."""
-GRAMMAR_REWARDS = ("shapes", *(f"shapes_{part}" for part in BREAKDOWN))
+GRAMMAR_REWARDS = ("shapes", "shapes_exact", *(f"shapes_{part}" for part in BREAKDOWN))
 """The registered rewards that score prompts of this grammar (and fail on any other)."""
 
 
@@ -489,6 +489,22 @@ def breakdown_images(images_BHW3: np.ndarray, prompts: list[str]) -> dict[str, n
     """`breakdown_analysis` of a batch: each part as a (B,) float32 array."""
     rows = [breakdown_analysis(c, a) for c, a in _parse_and_analyze(images_BHW3, prompts)]
     return {part: np.array([r[part] for r in rows], dtype=np.float32) for part in BREAKDOWN}
+
+
+def exact_analysis(clauses: list[Clause], analysis: ImageAnalysis) -> bool:
+    """Whether the image is right as a whole, GenEval's per-image verdict: every clause drawn with
+    exactly its count, all of those blobs of its shape, and no blob of a colour the prompt does not
+    name (unclear pixels are not judged, as GenEval's detector ignores them)."""
+    for clause in clauses:
+        mine = _clause_blobs(clause, analysis)
+        if len(mine) != clause.count or any(b.shape != clause.shape for b in mine):
+            return False
+    return _extra_blobs(clauses, analysis) == 0
+
+
+def exact_images(images_BHW3: np.ndarray, prompts: list[str]) -> np.ndarray:
+    """(B,) float32: 1 where `exact_analysis` holds, else 0."""
+    return np.array([exact_analysis(c, a) for c, a in _parse_and_analyze(images_BHW3, prompts)], dtype=np.float32)
 
 
 def _parse_and_analyze(images_BHW3: np.ndarray, prompts: list[str]) -> list[tuple[list[Clause], ImageAnalysis]]:
@@ -526,6 +542,20 @@ def make_shapes_reward():
         return torch.from_numpy(score_images(_channels_last(images), prompts))
 
     return shapes_reward
+
+
+@register_reward("shapes_exact")
+def make_shapes_exact_reward():
+    """All-or-nothing shapes reward (`exact_images`): 1 for an image that is right as a whole, else 0.
+
+    GenEval scores an image this way, and so Spotlight's GenEval runs face groups of G that all
+    fail. The partial credit of `shapes` rarely gives a group equal rewards; this reward does, for
+    the prompts a policy seldom gets right, which is where seed exploration pays off."""
+
+    def shapes_exact_reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return torch.from_numpy(exact_images(_channels_last(images), prompts))
+
+    return shapes_exact_reward
 
 
 def _register_breakdown(part: str) -> None:
