@@ -246,8 +246,10 @@ class ExploreConfig:
     """torch CPU threads per explorer."""
     batch_size: int = 16
     """Candidates per explorer forward batch; an explorer checks its time limit between batches."""
+    window: Literal["update", "iteration"] = "iteration"
+    """Stale mode: when explorers score batch k+1 with θ_k. "update": while the trainer updates θ_k -> θ_{k+1} (the paper's window); "iteration": from the end of update k-1, through rollout k and update k (explorers on their own devices idle during the trainer's rollout otherwise). Both are staleness 1; "iteration" plans before batch k's fresh rewards are seen."""
     budget_fraction: float = 0.8
-    """Share of the predicted training-step time the plan may fill (headroom for weight transfer and jitter)."""
+    """Share of the predicted window (`window`) the plan may fill (headroom for weight transfer and jitter)."""
     ema: float = 0.5
     """Weight of the newest measurement in the running means of step time and explorer throughput."""
     startup_timeout_s: float = 120.0

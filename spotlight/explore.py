@@ -17,18 +17,28 @@ Modes (`explore.mode`):
 Iteration k in stale mode, as `train.run_training` calls it:
 
     seeds_for(k)  seeds of batch k: the selection from what was collected after update k-1
+                  [window "iteration", k >= 1: open batch k+1's window here, as launch does below]
     rollout, reward, advantages with θ_k
-    launch(k)     feed the planner batch k's unbiased groups; publish θ_k (one `ray.put`, then an
-                  async `set_weights`); plan batch k+1 within the budget; submit one job per explorer
+    launch(k)     feed the planner batch k's unbiased groups; [window "update", or k = 0:] publish
+                  θ_k (one `ray.put`, then an async `set_weights`); plan batch k+1 within the
+                  budget; submit one job per explorer
     update        θ_k -> θ_{k+1}
     collect(k)    `ray.wait(timeout=0)`: the results ready now serve batch k+1, the rest are late
+
+The window (`explore.window`). "update" is the paper's: the explorers work while the trainer
+updates. "iteration" (the default) also gives them the trainer's rollout and reward of iteration k:
+θ_k exists from the end of update k-1, and explorers on devices of their own would otherwise sit
+idle through the rollout. The weights are the same θ_k, so staleness stays 1; the cost is that
+batch k+1 is planned before batch k's fresh rewards reach the planner (they inform batch k+2).
+Iteration 0 opens after its rollout in both: before it nothing is timed to size a budget with.
 
 Seeds. Candidate i of prompt slot p at iteration k is derive_seed(train.seed, k, p, i). The first G
 are the default seeds, so exploring extends the default group and a fallback is simply candidates
 0..G-1. Only the slot index, not the prompt text, enters the seed: exactly as `plan_iteration`.
 
-Budget (in candidates). budget_fraction x predicted step time x explorer samples/s x live
-explorers. The step time is a running mean of measured update times; before the first update is
+Budget (in candidates). budget_fraction x predicted window x explorer samples/s x live
+explorers. The window is a running mean of measured windows (the update's time, or with window
+"iteration" the time from `seeds_for` to the end of the update); before the first update is
 timed it is half the same iteration's rollout time (a guess on the short side: a windowed SDE or
 DiffusionNFT update can cost less than the rollout, and the first rollout also pays warm-up;
 explore/update_guessed = 1 says so). The throughput is a running mean of what explorers report
@@ -106,14 +116,23 @@ def candidate_seeds(run_seed: int, iteration: int, slot: int, num_candidates: in
     return [derive_seed(run_seed, iteration, slot, i) for i in range(num_candidates)]
 
 
-def publishes_before_rollout(mode: str, iteration: int) -> bool:
-    """Whether `Exploration.seeds_for` of `iteration` may publish the current weights (inline mode)."""
-    return mode == "inline" and iteration > 0
+def opens_before_rollout(mode: str, window: str, iteration: int, has_next_batch: bool) -> bool:
+    """Whether stale exploration of the next batch starts before this iteration's rollout
+    (`explore.window` "iteration"). Iteration 0 opens after its rollout, as "update" does: before
+    the first rollout nothing is timed to size a budget with."""
+    return mode == "stale" and window == "iteration" and iteration > 0 and has_next_batch
 
 
-def publishes_before_update(mode: str, has_next_batch: bool) -> bool:
-    """Whether `Exploration.launch` may publish the current weights (stale mode, a next batch to explore)."""
-    return mode == "stale" and has_next_batch
+def publishes_before_rollout(mode: str, iteration: int, window: str = "update", has_next_batch: bool = False) -> bool:
+    """Whether `Exploration.seeds_for` of `iteration` may publish the current weights: inline mode
+    (to explore this batch), or stale mode opening the next batch's window before the rollout."""
+    return (mode == "inline" and iteration > 0) or opens_before_rollout(mode, window, iteration, has_next_batch)
+
+
+def publishes_before_update(mode: str, has_next_batch: bool, window: str = "update", iteration: int = 0) -> bool:
+    """Whether `Exploration.launch` may publish the current weights (stale mode, a next batch to
+    explore, its window not opened before the rollout already)."""
+    return mode == "stale" and has_next_batch and not opens_before_rollout(mode, window, iteration, has_next_batch)
 
 
 def planner_ids(prompts_P: Sequence[str]) -> list[str]:
@@ -458,17 +477,25 @@ class Exploration:
     # -- the three calls of an iteration --------------------------------------------------------
 
     def seeds_for(
-        self, iteration: int, weights: WeightsSource, prompts_P: list[str], default_seeds: list[int], sde_steps: list[int]
+        self,
+        iteration: int,
+        weights: WeightsSource,
+        prompts_P: list[str],
+        default_seeds: list[int],
+        sde_steps: list[int],
+        next_batch: tuple[list[str], list[int], list[int]] | None = None,
     ) -> list[int]:
         """Seeds (P * G, prompt-major) of batch `iteration`: selected groups, default seeds elsewhere.
 
         Inline mode explores the batch here with the current weights (`weights()`, called only when
-        there are candidates to sample) and waits for the results.
+        there are candidates to sample) and waits for the results. Stale mode with `explore.window`
+        "iteration" opens the next batch's window here (`next_batch`: its `plan_iteration`), with
+        the same weights, and does not wait.
         """
         t0 = time.monotonic()
         self._metrics = {}
         G = self.group_size
-        if publishes_before_rollout(self.ecfg.mode, iteration):
+        if self.ecfg.mode == "inline" and publishes_before_rollout(self.ecfg.mode, iteration):
             window = self._open_window(iteration, iteration, weights, prompts_P, sde_steps, time_limit=False)
             if window is not None:
                 self._gather(window, timeout_s=None)
@@ -488,6 +515,9 @@ class Exploration:
         self._metrics.update(selection_metrics(outcomes, G))
         if window is not None:
             self._metrics.update(self._window_metrics(window, iteration))
+        if opens_before_rollout(self.ecfg.mode, self.ecfg.window, iteration, next_batch is not None):
+            next_prompts, _, next_steps = next_batch
+            self._window = self._open_window(iteration + 1, iteration, weights, next_prompts[::G], next_steps, time_limit=True)
         self._critical_s += time.monotonic() - t0
         return seeds
 
@@ -532,15 +562,20 @@ class Exploration:
         # The throughput guess before any explorer reported (module docstring).
         trainer_rate = num_samples / max(rollout_s, 1e-9)
         self._guess_samples_per_s = 0.5 * trainer_rate * self.ecfg.explorer_threads / torch.get_num_threads()
-        if publishes_before_update(self.ecfg.mode, next_batch is not None):
+        if publishes_before_update(self.ecfg.mode, next_batch is not None, self.ecfg.window, iteration):
             next_prompts, _, next_steps = next_batch
             self._window = self._open_window(iteration + 1, iteration, weights, next_prompts[::G], next_steps, time_limit=True)
         self._critical_s += time.monotonic() - t0
 
-    def collect(self, iteration: int, update_s: float) -> None:
-        """After the update of `iteration`: take the results that are ready; never wait."""
+    def collect(self, iteration: int, window_s: float) -> None:
+        """After the update of `iteration`: take the results that are ready; never wait.
+
+        Args:
+            window_s: how long this iteration's window lasted: the update's time, or with
+                `explore.window` "iteration" the time since `seeds_for` (what the next budget predicts).
+        """
         t0 = time.monotonic()
-        self.budget_model.observe_update(update_s)
+        self.budget_model.observe_update(window_s)
         self._read_stragglers()
         if self._window is not None:
             self._gather(self._window, timeout_s=0.0)

@@ -44,7 +44,7 @@ from spotlight.distributed import (
 )  # fmt: skip
 from spotlight.evaluate import evaluate
 from spotlight.explore import (
-    Exploration, publishes_before_rollout, publishes_before_update, start_exploration,
+    Exploration, opens_before_rollout, publishes_before_rollout, publishes_before_update, start_exploration,
 )  # fmt: skip
 from spotlight.grpo import group_advantages
 from spotlight.mirror import CheckpointMirror
@@ -221,10 +221,14 @@ def _train(
             # 1. Rollout: G seeded trajectories per prompt with the current weights; with
             #    exploration, a prompt's seeds may be a high-contrast subset of its explored candidates.
             prompts, seeds, sde_steps = plan_iteration(cfg, train_prompts, it)
-            inline_weights = explore_weights(publishes_before_rollout(cfg.explore.mode, it))  # θ_k, for inline exploration
+            nxt = plan_iteration(cfg, train_prompts, it + 1) if it + 1 < cfg.train.num_iterations else None
+            # θ_k before the rollout: for inline exploration of this batch, or (explore.window
+            # "iteration") for stale exploration of the next one, which then runs until the update ends.
+            early_weights = explore_weights(publishes_before_rollout(cfg.explore.mode, it, cfg.explore.window, nxt is not None))
+            t_window = time.monotonic()
             if exploration is not None:
-                seeds = exploration.seeds_for(it, inline_weights, prompts[::G], seeds, sde_steps)
-            inline_weights.settle()
+                seeds = exploration.seeds_for(it, early_weights, prompts[::G], seeds, sde_steps, nxt)
+            early_weights.settle()
             if cfg.explore.mode != "none":
                 seeds = dp.broadcast_object(seeds)  # only rank 0 holds the explorers
             t_ro = time.monotonic()
@@ -252,8 +256,7 @@ def _train(
             adv = group_advantages(reward.total_B.view(P, G), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip)
             t2 = time.monotonic()
             # 4. Stale exploration: publish θ_k, explore the next batch with it during the update.
-            nxt = plan_iteration(cfg, train_prompts, it + 1) if it + 1 < cfg.train.num_iterations else None
-            stale_weights = explore_weights(publishes_before_update(cfg.explore.mode, nxt is not None))  # θ_k, before the update
+            stale_weights = explore_weights(publishes_before_update(cfg.explore.mode, nxt is not None, cfg.explore.window, it))  # θ_k, before the update
             if exploration is not None:
                 exploration.launch(it, stale_weights, reward.total_B, seeds, t2 - t_ro, nxt)
             stale_weights.settle()
@@ -268,7 +271,8 @@ def _train(
             encoder = policy.prompt_cache.end_step()
             # 6. Take the exploration results that are ready; never wait for an explorer.
             if exploration is not None:
-                exploration.collect(it, t3 - t_up)
+                opened_early = opens_before_rollout(cfg.explore.mode, cfg.explore.window, it, nxt is not None)
+                exploration.collect(it, t3 - (t_window if opened_early else t_up))
 
             valid = reward.total_B[~torch.isnan(reward.total_B)]
             metrics = {
@@ -286,7 +290,7 @@ def _train(
                 **({"grpo/lr_scale": trainer.lr_scale} if cooling else {}),
                 **(exploration.metrics() if exploration is not None else {}),
                 # Weights copied (gathered, under FSDP) for the explorers: only for a window with candidates.
-                **({"explore/weights_copies": inline_weights.copies + stale_weights.copies} if exploration is not None else {}),
+                **({"explore/weights_copies": early_weights.copies + stale_weights.copies} if exploration is not None else {}),
                 "time/iteration_s": time.monotonic() - t0,
             }
             step = it + 1

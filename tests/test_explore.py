@@ -35,7 +35,10 @@ from spotlight.explore import (
     candidate_seeds,
     choose_groups,
     exploration_budget,
+    opens_before_rollout,
     planner_ids,
+    publishes_before_rollout,
+    publishes_before_update,
     selection_metrics,
     split_jobs,
 )
@@ -64,6 +67,25 @@ def test_candidates_extend_the_default_seeds_and_plan_iteration_is_pure():
             assert len(set(cands)) == 12
     assert plan_iteration(cfg, prompts, 6) == later
     assert planner_ids(["a", "b", "a"]) == ["a", "b", "a #2"]
+
+
+def test_which_call_publishes_the_weights_per_mode_and_window():
+    """Exactly one of the two publish points serves each window; every rank computes the same."""
+    # inline: before the rollout, from iteration 1 on (nothing is timed at iteration 0).
+    assert [publishes_before_rollout("inline", k) for k in (0, 1)] == [False, True]
+    assert not publishes_before_update("inline", True)
+    for window in ("update", "iteration"):
+        for k in (0, 1, 5):
+            for has_next in (False, True):
+                early = publishes_before_rollout("stale", k, window, has_next)
+                late = publishes_before_update("stale", has_next, window, k)
+                assert early == opens_before_rollout("stale", window, k, has_next)
+                # A next batch gets exactly one window; the last iteration none.
+                assert early + late == int(has_next), (window, k, has_next)
+                # "iteration" opens before the rollout except at iteration 0 (no rollout timed yet).
+                assert early == (window == "iteration" and k > 0 and has_next)
+    assert not any(publishes_before_rollout("none", k, "iteration", True) for k in (0, 3))
+    assert not publishes_before_update("none", True, "iteration", 3)
 
 
 def test_budget_is_step_time_times_throughput_with_flagged_guesses():
@@ -320,6 +342,49 @@ def test_stale_selects_when_the_window_finishes_in_time(tiny_model_dir, ray_addr
     assert all(r["explore/fallback_late"] == 0 for r in rows)
 
 
+@pytest.mark.parametrize("window", ["update", "iteration"])
+def test_the_stale_window_opens_where_the_setting_says(tiny_model_dir, ray_address, tmp_path, monkeypatch, window):
+    """explore.window: batch k+1 is submitted after rollout k ("update") or before it ("iteration",
+    from k = 1), with θ_k either way, and the budget then predicts the longer window."""
+    import spotlight.train as train_module
+
+    events: list[tuple[str, int]] = []
+    open_window, rollout = Exploration._open_window, train_module.rollout
+
+    def record_open(self, iteration, version, *args, **kwargs):
+        events.append(("open", iteration))
+        return open_window(self, iteration, version, *args, **kwargs)
+
+    def record_rollout(*args, **kwargs):
+        events.append(("rollout", sum(e[0] == "rollout" for e in events)))
+        return rollout(*args, **kwargs)
+
+    monkeypatch.setattr(Exploration, "_open_window", record_open)
+    monkeypatch.setattr(train_module, "rollout", record_rollout)
+    cfg = tiny_recipe(tiny_model_dir, "stale", ray_address=ray_address, window=window)
+    cfg.train.num_iterations = 4
+    train_module.run_training(cfg, tmp_path, progress=False)
+    where = {it: events.index(("open", it)) for kind, it in events if kind == "open"}
+    ro = {k: events.index(("rollout", k)) for k in range(4)}
+    assert sorted(where) == [1, 2, 3]  # one window per next batch, none after the last
+    assert ro[0] < where[1] < ro[1]  # iteration 0 always opens after its rollout
+    for k in (1, 2):
+        assert (where[k + 1] < ro[k]) == (window == "iteration"), events
+        assert ro[k - 1] < where[k + 1] if window == "iteration" else ro[k] < where[k + 1]
+    rows, log = read_metrics(tmp_path), read_log(tmp_path)
+    for r, row in zip(rows[1:], log[1:]):
+        if row["version"] is not None:
+            assert row["version"] == row["iteration"] - 1 and r["explore/staleness"] == 1
+    # The budget of batch 3 (sized at iteration 2, ema 0.5) predicts from the windows of iterations
+    # 0 and 1. Iteration 0's is its update either way; iteration 1's is its update ("update"), or
+    # its rollout, reward and update ("iteration").
+    predicted, u = rows[3]["explore/predicted_update_s"], [r["time/update_s"] for r in rows]
+    if window == "iteration":
+        assert predicted >= 0.5 * u[0] + 0.5 * (rows[1]["time/rollout_s"] + u[1]), (predicted, rows[1])
+    else:
+        assert predicted == pytest.approx(0.5 * u[0] + 0.5 * u[1], rel=1e-6), (predicted, rows[1])
+
+
 def test_a_budget_too_small_for_one_prompt_probes_and_recovers(tiny_model_dir, ray_address, tmp_path, monkeypatch):
     """Regression: one slow throughput report (an explorer starved by a busy CPU, a cold start) left
     a budget of fewer than G + 1 candidates, nothing was planned again, so nothing re-measured the
@@ -425,3 +490,29 @@ def test_time_to_target_counts_training_time_only():
     out = module.summarize(runs)
     assert out["speedup_wall_stale_vs_none"] is None and out["reached"]["stale"] == 1
     assert out["speedup_per_repeat"][1]["stale_vs_none"] is None
+
+
+def test_explore_window_benchmark_compares_the_windows_after_the_first_two_iterations():
+    """benchmarks/explore_window.py: per-window means skip iterations 0 and 1; ratios iteration / update."""
+    import importlib.util
+
+    path = REPO / "benchmarks" / "explore_window.py"
+    spec = importlib.util.spec_from_file_location("explore_window", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def rows(scored, selected, late=0):
+        out = [{"time/iteration_s": 99.0}, {"time/iteration_s": 99.0, "explore/candidates_scored": 999}]
+        for s in scored:
+            out.append({"time/iteration_s": 10.0, "explore/candidates_scored": s, "explore/candidates_planned": s,
+                        "explore/prompts_selected": selected, "explore/fallback_late": late})  # fmt: skip
+        return out
+
+    update = module.summarize_run(rows([100, 200], 2, late=1))
+    assert update["scored_per_window"] == 150 and update["median_iteration_s"] == 10.0 and update["late_prompts"] == 2
+    runs = {"update": [update], "iteration": [module.summarize_run(rows([300, 300], 3))]}
+    out = module.ratios(runs)
+    assert out["scored_ratio"] == 2.0 and out["selected_ratio"] == 1.5 and out["iteration_time_ratio"] == 1.0
+    assert out["late_prompts"] == {"update": 2, "iteration": 0}
+    with pytest.raises(ValueError, match="more than 2 iterations"):
+        module.summarize_run(rows([], 0))
