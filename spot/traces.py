@@ -173,13 +173,15 @@ class Trace:
         """Scale the node count so the peak is `num_nodes_max` (e.g. 32 nodes onto 3 local raylets).
 
         Counts are scaled and rounded, then rebuilt as in a count-based format: node identities
-        and notices are not kept.
+        and notices are not kept. A count above zero stays at least 1: a pool that still had
+        instances keeps one node, rather than rounding into an empty cluster (Bamboo's trace
+        holds 2 of its 12 instances for half of its busiest stretch, which onto 3 nodes is 0.5).
         """
         if num_nodes_max < 1:
             raise ValueError(f"num_nodes_max must be >= 1, got {num_nodes_max}")
         peak = self.num_nodes_max
         steps = self.availability()
-        counts = [round(n * num_nodes_max / peak) if peak else 0 for _, n in steps]
+        counts = [max(1, round(n * num_nodes_max / peak)) if n > 0 else 0 for _, n in steps]
         source = f"{self.source} rescaled to {num_nodes_max} nodes"
         return Trace.from_counts([t for t, _ in steps], counts, duration_s=self.duration_s, source=source, format="rescaled")
 

@@ -226,6 +226,10 @@ def test_trimmed_and_rescaled():
     assert trace.trimmed().duration_s == 300
     small = trace.rescaled(2)
     assert small.num_nodes_max == 2 and small.availability() == [(0.0, 0), (500.0, 2), (600.0, 1), (700.0, 2)]
+    # A pool that still has instances keeps a node: 2 of 12 onto 3 nodes is 0.5, and round() gives 0.
+    # (Regression: Bamboo's busiest stretch replayed with no spot node for half of it.)
+    bamboo = Trace.from_counts([0, 100, 200, 300], [12, 2, 0, 12], duration_s=400, source="t", format="bamboo-csv")
+    assert bamboo.rescaled(3).availability() == [(0.0, 3), (100.0, 1), (200.0, 0), (300.0, 3)]
 
 
 # -- synthetic -----------------------------------------------------------------------------------
