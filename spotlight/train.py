@@ -255,7 +255,8 @@ def _train(
             # 3. Group-relative advantages; zero-variance groups are filtered.
             adv = group_advantages(reward.total_B.view(P, G), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip)
             t2 = time.monotonic()
-            # 4. Stale exploration: publish θ_k, explore the next batch with it during the update.
+            # 4. Stale exploration (explore.window "update", and iteration 0): publish θ_k, explore
+            #    the next batch with it during the update.
             stale_weights = explore_weights(publishes_before_update(cfg.explore.mode, nxt is not None, cfg.explore.window, it))  # θ_k, before the update
             if exploration is not None:
                 exploration.launch(it, stale_weights, reward.total_B, seeds, t2 - t_ro, nxt)
