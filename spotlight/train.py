@@ -224,6 +224,7 @@ def _train(
             nxt = plan_iteration(cfg, train_prompts, it + 1) if it + 1 < cfg.train.num_iterations else None
             # θ_k before the rollout: for inline exploration of this batch, or (explore.window
             # "iteration") for stale exploration of the next one, which then runs until the update ends.
+            stale_early = opens_before_rollout(cfg.explore.mode, cfg.explore.window, it, nxt is not None)
             early_weights = explore_weights(publishes_before_rollout(cfg.explore.mode, it, cfg.explore.window, nxt is not None))
             t_window = time.monotonic()
             if exploration is not None:
@@ -272,8 +273,7 @@ def _train(
             encoder = policy.prompt_cache.end_step()
             # 6. Take the exploration results that are ready; never wait for an explorer.
             if exploration is not None:
-                opened_early = opens_before_rollout(cfg.explore.mode, cfg.explore.window, it, nxt is not None)
-                exploration.collect(it, t3 - (t_window if opened_early else t_up))
+                exploration.collect(it, t3 - (t_window if stale_early else t_up))
 
             valid = reward.total_B[~torch.isnan(reward.total_B)]
             metrics = {
