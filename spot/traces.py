@@ -174,8 +174,8 @@ class Trace:
 
         Counts are scaled and rounded, then rebuilt as in a count-based format: node identities
         and notices are not kept. A count above zero stays at least 1: a pool that still had
-        instances keeps one node, rather than rounding into an empty cluster (Bamboo's trace
-        holds 2 of its 12 instances for half of its busiest stretch, which onto 3 nodes is 0.5).
+        instances keeps one node, rather than rounding into an empty cluster (Bamboo's group
+        holds 2 of its 12 instances for long stretches: onto 3 nodes that is 0.5).
         """
         if num_nodes_max < 1:
             raise ValueError(f"num_nodes_max must be >= 1, got {num_nodes_max}")

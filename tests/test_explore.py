@@ -14,6 +14,7 @@ import os
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -459,15 +460,17 @@ def test_fallback_when_an_explorer_is_killed_mid_window(tiny_model_dir, ray_addr
     assert rows[-1]["explore/explorer_respawns_total"] >= 1
 
 
-def test_time_to_target_counts_training_time_only():
-    """benchmarks/time_to_target.py: summed iteration time up to the first evaluation at the target."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "time_to_target.py"
-    spec = importlib.util.spec_from_file_location("time_to_target", path)
+def load_benchmark(name: str) -> types.ModuleType:
+    """benchmarks/<name>.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_time_to_target_counts_training_time_only():
+    """benchmarks/time_to_target.py: summed iteration time up to the first evaluation at the target."""
+    module = load_benchmark("time_to_target")
     rows = [
         {"step": 1, "time/iteration_s": 2.0},
         {"step": 2, "time/iteration_s": 3.0, "eval/mean_reward": 0.41, "eval/seconds": 50.0},
@@ -494,12 +497,7 @@ def test_time_to_target_counts_training_time_only():
 
 def test_explore_window_benchmark_compares_the_windows_after_the_first_two_iterations():
     """benchmarks/explore_window.py: per-window means skip iterations 0 and 1; ratios iteration / update."""
-    import importlib.util
-
-    path = REPO / "benchmarks" / "explore_window.py"
-    spec = importlib.util.spec_from_file_location("explore_window", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("explore_window")
 
     def rows(scored, selected, late=0):
         out = [{"time/iteration_s": 99.0}, {"time/iteration_s": 99.0, "explore/candidates_scored": 999}]
