@@ -46,11 +46,10 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from spot.files import fsync_path
 from spot.localray import ON_DEMAND, SPOT
-from spotlight.config import CostConfig
-from spotlight.files import fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +59,47 @@ POOLS = (ON_DEMAND, SPOT)
 
 Steps = list[list[float]]  # [[unix_s, usd_per_gpu_hour], ...], sorted by time
 Usage = list[list[float]]  # [[start_s, end_s, gpus], ...]
+
+
+@dataclass
+class CostConfig:
+    """What the run's GPUs cost: the ledger `cost.json` in the run directory (`spotlight cost RUN_DIR`, see the module docstring).
+
+    The `cost` section of a recipe (`spotlight.config.DiTRecipe.cost`).
+    """
+
+    on_demand_usd_per_gpu_hour: float = 6.88
+    """On-demand price of one GPU-hour (the trainer's node); the default is about AWS's p5 (H100) list price in us-east-1, mid-2025."""
+    trainer_gpus: int = 1
+    """GPUs of the trainer's on-demand node, charged for the whole run (a CPU run counts as one; a launch of N processes charges at least N)."""
+    spot_price: Literal["discount", "history"] = "discount"
+    """How spot GPU-hours are priced: "discount" = spot_discount off on-demand; "history" = EC2 spot price history (boto3, standard AWS credential chain)."""
+    spot_discount: float = 0.6
+    """"discount": spot price = (1 - spot_discount) x on-demand price."""
+    instance_type: str = "p5.4xlarge"
+    """"history": the spot instance type whose price is read."""
+    gpus_per_instance: int = 1
+    """"history": GPUs of instance_type (its price per instance-hour is divided by this)."""
+    region: str = "us-east-1"
+    """"history": AWS region of the spot nodes."""
+    availability_zone: str = ""
+    """"history": AZ of the spot nodes; empty = the highest price among the region's AZs at each moment (never understates)."""
+    product_description: str = "Linux/UNIX"
+    """"history": the price's product description."""
+    refresh_minutes: float = 15.0
+    """"history": read new price changes this often during a run."""
+
+    def validate(self) -> None:
+        if self.on_demand_usd_per_gpu_hour < 0:
+            raise ValueError(f"cost.on_demand_usd_per_gpu_hour must be >= 0, got {self.on_demand_usd_per_gpu_hour}")
+        if not 0 <= self.spot_discount < 1:
+            raise ValueError(f"cost.spot_discount must be in [0, 1), got {self.spot_discount}")
+        if self.trainer_gpus < 1 or self.gpus_per_instance < 1:
+            raise ValueError(f"cost.trainer_gpus and cost.gpus_per_instance must be >= 1, got {self.trainer_gpus}, {self.gpus_per_instance}")
+        if self.refresh_minutes <= 0:
+            raise ValueError(f"cost.refresh_minutes must be > 0, got {self.refresh_minutes}")
+        if self.spot_price == "history" and not (self.instance_type and self.region):
+            raise ValueError("cost.spot_price=history needs cost.instance_type and cost.region")
 
 
 # -- EC2 spot price history ------------------------------------------------------------------------

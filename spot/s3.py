@@ -33,7 +33,7 @@ import botocore.exceptions
 from boto3.s3.transfer import TransferConfig
 from s3transfer.exceptions import RetriesExceededError
 
-from spot.store import MissingKeyError, Store, StoreError, _check_prefix, _write_atomically, check_key
+from spot.store_base import MissingKeyError, Store, StoreError, check_key, check_prefix, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class S3Store(Store):
         full, dest = self._key(key), Path(path)
 
         def download() -> None:
-            _write_atomically(dest, lambda f: self.client.download_fileobj(self.bucket, full, f, Config=self.transfer))
+            write_atomically(dest, lambda f: self.client.download_fileobj(self.bucket, full, f, Config=self.transfer))
 
         self._call(f"get_file to {dest}", key, download)
         logger.debug("get_file %s -> %s", self.where(key), dest)
@@ -286,7 +286,7 @@ class S3Store(Store):
         logger.debug("deleted %s", self.where(key))
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
-        _check_prefix(prefix)
+        check_prefix(prefix)
         base = f"{self.prefix}/" if self.prefix else ""
 
         def listing() -> dict[str, int]:

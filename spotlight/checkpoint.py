@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from spotlight.files import fsync_path
+from spot.files import fsync_path
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ Layout in the store::
         trainable.safetensors, optimizer.*, rng.json, meta.json, config.yaml, manifest.json
         metrics.jsonl            the run's metrics rows up to step 12
         cost.json                the run's cost ledger then (spot.cost)
-        store-manifest.json      written last (spot.store): the folder is visible only when complete
+        store-manifest.json      written last (spot.store_base): the folder is visible only when complete
 
 Publishing is synchronous: a checkpoint step returns once the store holds the folder, so "resumed
 from step N" never names a step the store does not have. The store keeps the `keep_last` newest
@@ -33,7 +33,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from spot.store import MANIFEST_NAME, Store, StoreError, open_store
+from spot.store import open_store
+from spot.store_base import MANIFEST_NAME, Store, StoreError
 from spotlight.checkpoint import find_latest_checkpoint, set_latest, step_of
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ resuming from an earlier checkpoint.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import re
@@ -23,7 +22,7 @@ from types import TracebackType
 import torch
 from PIL import Image
 
-logger = logging.getLogger(__name__)
+from spot.files import read_jsonl, read_jsonl_cut_off
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_id.txt"
@@ -73,32 +72,12 @@ def save_image_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int) ->
     return path
 
 
-def _read_rows(path: Path) -> tuple[list[dict], bool]:
-    """Rows of a JSON-lines file, and whether its last line was cut off."""
-    if not path.exists():
-        return [], False
-    lines = path.read_text(encoding="utf-8").splitlines()
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                # The process died mid-write; that one row is lost, the file is otherwise fine.
-                logger.warning("%s: ignoring a cut-off last line", path)
-                return rows, True
-            raise ValueError(f"{path}:{i + 1} is not JSON ({e}); fix or delete that line") from e
-    return rows, False
-
-
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     """The rows of `run_dir/metrics.jsonl`, each {"step": int, <metric>: float, ...}, in order.
 
     A missing file gives []; a cut-off last line (the process was killed mid-write) is skipped.
     """
-    return _read_rows(Path(run_dir) / METRICS_FILE)[0]
+    return read_jsonl(Path(run_dir) / METRICS_FILE)
 
 
 class Tracker:
@@ -167,7 +146,7 @@ class Tracker:
 
     def _truncate_history(self, resume_step: int | None) -> None:
         """Drop rows and images after `resume_step`, and a cut-off last row (atomic rewrite)."""
-        rows, cut_off = _read_rows(self.metrics_path)
+        rows, cut_off = read_jsonl_cut_off(self.metrics_path)
         if resume_step is not None:
             kept = [r for r in rows if r["step"] <= resume_step]
             for image in (self.run_dir / IMAGES_DIR).glob("*.png"):

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from s3_server import SECRETS, fake_aws_environment, moto_s3
-from spot.store import MANIFEST_NAME, open_store
+from spot.store import open_store
+from spot.store_base import MANIFEST_NAME
 from spotlight.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from spotlight.mirror import CheckpointMirror
 from test_cli import tiny_overrides

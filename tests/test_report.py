@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from spot.cost import CostLedger
+from spot.cost import CostConfig, CostLedger
 from spotlight.cli import main
-from spotlight.config import CostConfig, DiTRecipe
+from spotlight.config import DiTRecipe
 from spotlight.config_io import save_config
 from spotlight.report import NOT_RECORDED, SECTIONS, write_report
 from spotlight.tracking import Tracker

@@ -23,14 +23,8 @@ import pytest
 
 from s3_server import FAKE_KEY_ID, FAKE_SECRET, SECRETS, fake_aws_environment, moto_s3
 from spot.s3 import S3Options, S3Store, redact
-from spot.store import (
-    MANIFEST_NAME,
-    IncompleteError,
-    LocalStore,
-    MissingKeyError,
-    StoreError,
-    open_store,
-)
+from spot.store import LocalStore, open_store
+from spot.store_base import MANIFEST_NAME, IncompleteError, MissingKeyError, StoreError
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "spot-store-test"

@@ -26,6 +26,12 @@ from pathlib import Path
 
 import yaml
 
+from spot.files import read_jsonl
+
+# The trainer writes its per-iteration metrics here (`spotlight.tracking.METRICS_FILE`). spot sits
+# below spotlight and may not import it, so the name is repeated; tests/test_simulator.py checks both agree.
+METRICS_FILE = "metrics.jsonl"
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -224,14 +230,12 @@ def profile_from_run(run_dir: str | Path, *, trainer_gpus: int = 1, name: str | 
     """
     import statistics
 
-    from spotlight.tracking import read_metrics
-
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
         raise ValueError(f"{run_dir}: not a run directory (no config.yaml)")
     cfg = yaml.safe_load(cfg_path.read_text())
-    rows = [r for r in read_metrics(run_dir) if "time/rollout_s" in r]
+    rows = [r for r in read_jsonl(run_dir / METRICS_FILE) if "time/rollout_s" in r]
     if len(rows) < 2:
         raise ValueError(f"{run_dir}: needs at least 2 iterations with time/* metrics, found {len(rows)}")
     rows = rows[1:]
@@ -239,7 +243,7 @@ def profile_from_run(run_dir: str | Path, *, trainer_gpus: int = 1, name: str | 
     def med(key: str) -> float:
         vals = [r[key] for r in rows if key in r]
         if not vals:
-            raise ValueError(f"{run_dir}: metrics.jsonl has no {key!r}")
+            raise ValueError(f"{run_dir}: {METRICS_FILE} has no {key!r}")
         return float(statistics.median(vals))
 
     train, sample = cfg["train"], cfg["sample"]
