@@ -42,7 +42,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from preemption_replay import add_replay_arguments, node_speed, run_on_replay, start_pool, tear_down  # noqa: E402
+from preemption_replay import (  # noqa: E402
+    add_replay_arguments, bench_recipe, make_jobs, node_speed, run_on_replay, start_pool, tear_down, wait_groups,
+)  # fmt: skip
 
 
 def main() -> None:
@@ -84,32 +86,23 @@ def main() -> None:
 
 
 def fitted_trace(args, seed: int):
-    from spot.replay import busiest_window, window
-    from spot.traces import load_trace, synthetic_trace
+    from spot.replay import fit_trace
+    from spot.traces import synthetic_trace
 
-    if args.trace is None:
-        trace = synthetic_trace(
-            num_nodes=args.nodes, duration_s=args.window_s, preemptions_per_node_hour=args.rate,
-            replacement_delay_s=120.0, seed=seed,
-        )  # fmt: skip
-    else:
-        full = load_trace(args.trace).trimmed().rescaled(args.nodes)
-        trace = window(full, busiest_window(full, args.window_s), args.window_s)
-    trace = trace.compressed(args.compress)
+    if args.trace is not None:
+        return fit_trace(args.trace, nodes=args.nodes, window_s=args.window_s, compress=args.compress, notice_s=args.notice_s)[0]
+    trace = synthetic_trace(
+        num_nodes=args.nodes, duration_s=args.window_s, preemptions_per_node_hour=args.rate,
+        replacement_delay_s=120.0, seed=seed,
+    ).compressed(args.compress)  # fmt: skip
     return trace.with_notices(args.notice_s / args.compress) if args.notice_s > 0 else trace
 
 
 def real_runs(args, speeds: list[float]) -> list[dict]:
-    from spot.jobqueue import Job
-    from spot.replay import ReplayCluster
-    from spot.scheduler import DenoiseSpec
-    from spotlight.config import ModelConfig
-    from spotlight.rewards.shapes import all_prompts
-    from spotlight.sampling import derive_seed
+    from spot.cluster import LocalCluster
 
-    prompts = all_prompts(1)
-    spec, model = DenoiseSpec(num_steps=args.steps), ModelConfig()
-    cluster = ReplayCluster()  # first: it makes Ray bind to 127.0.0.1 (spot.localray)
+    cfg = bench_recipe(args)
+    cluster = LocalCluster()  # first: it makes Ray bind to 127.0.0.1 (spot.localray)
     runs = []
     try:
         import ray
@@ -120,8 +113,7 @@ def real_runs(args, speeds: list[float]) -> list[dict]:
             # Jobs: about 90% of what the window's capacity finishes (the run ends inside the trace).
             cap_s = sum(_alive_s(trace, n) * node_speed(n, speeds) for n in {ev.node_id for ev in trace.events})
             n_jobs = args.jobs or max(2 * args.nodes, int(0.6 * cap_s / (args.steps * args.step_s)))
-            jobs = [Job(i, prompts[i % len(prompts)], seed=derive_seed(rep, i)) for i in range(n_jobs)]
-            run = one_run(cluster, trace, model, spec, jobs, speeds, args)
+            run = one_run(cluster, trace, cfg, make_jobs(args, n_jobs, rep), speeds, args)
             run["trace"] = trace.summary()
             logging.info("run %d: %s", rep, {k: v for k, v in run.items() if k in ("wall_s", "recomputed_steps", "jobs")})
             runs.append(run)
@@ -142,22 +134,23 @@ def _alive_s(trace, node: str) -> float:
     return total + (trace.duration_s - since if since is not None else 0.0)
 
 
-def one_run(cluster, trace, model, spec, jobs, speeds, args) -> dict:
+def one_run(cluster, trace, cfg, jobs, speeds, args) -> dict:
     from spot.replay import TraceReplayer
-    from spot.scheduler import PullScheduler
+    from spot.runtime import Runtime
 
     replayer = TraceReplayer(cluster, trace, fake_imds=args.notice_s > 0)
     names: dict[str, str] = {}  # Ray node id -> trace name
     pool = sched = None
     try:
-        pool = start_pool(replayer, model, spec, speeds, args, on_node=names.__setitem__)
-        sched = PullScheduler(pool)
+        pool, initial = start_pool(replayer, cfg, speeds, args, on_node=names.__setitem__)
+        sched = Runtime(pool, tick_s=0.1)
+        wait_groups(sched, initial)
         sched.submit(jobs)
         report = run_on_replay(sched, replayer, timeout_s=600)
         offset = replayer.started_at - sched.started_at  # replayer times -> the run's clock
         applied = [(0.0 if ev.t_s <= 0 and ev.at_s == 0.0 else ev.at_s + offset, ev.kind, ev.node) for ev in replayer.applied]
         worker_node = {wid: names.get(w.node_id) for wid, w in pool.workers.items()}
-        worker_reports = sched.close()
+        final = sched.close()
         sched = None
         return {
             "jobs": len(jobs),
@@ -168,7 +161,7 @@ def one_run(cluster, trace, model, spec, jobs, speeds, args) -> dict:
             "applied": applied,
             "events": report.events,
             "worker_node": worker_node,
-            "reports": [(r.worker_id, r.steps, r.busy_s) for r in worker_reports],
+            "reports": [(r.worker_id, r.steps, r.busy_s) for o in final.outcomes for r in o.reports.values()],
         }
     finally:
         tear_down(sched, pool, replayer)
@@ -239,7 +232,7 @@ def simulate_run(run: dict, args, speeds: list[float]) -> dict:
             lead = t - notice_at.pop(node) if node in notice_at else None
             events.append(TraceEvent(t, node, "preempt", lead))
     trace = Trace(tuple(events), duration_s=max([e.t_s for e in events] + [run["wall_s"]]), source="applied", format="replayed")
-    jobs = [Job(i, "", seed=i) for i in range(run["jobs"])]
+    jobs = [Job(i, num_steps=args.steps) for i in range(run["jobs"])]
     walls, lost = [], []
     for seed in range(args.sim_samples):  # the expectation over step phases (see Cluster.step_jitter)
         loop = EventLoop()

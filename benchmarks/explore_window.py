@@ -1,7 +1,7 @@
 """Stale exploration's two windows side by side: `explore.window=update` vs `iteration`.
 
 Each window trains the same recipe from the same base for `--iterations` iterations with
-`explore.mode=stale` (a local Ray cluster; pass `explore.num_spot_nodes=1 train.num_threads=1`
+`explore.mode=stale` (a local Ray cluster; pass `runtime.spot_nodes=1 train.num_threads=1`
 on 2 cores, so that the trainer and the explorer have a core each). The runs alternate (`--repeats
 R`: R pairs, the order reversed on every other pair, as this machine's load drifts). Figures are
 means over the iterations after the first two (iteration 0 explores nothing, and the first window
@@ -12,7 +12,7 @@ of "iteration" is sized from an update alone), summed over repeats before the ra
     iteration_time_ratio  median iteration time, iteration / update (the critical path: ~1)
     late_prompts          planned prompts whose results came back after the update, per window kind
 
-    .venv/bin/python benchmarks/explore_window.py explore.num_spot_nodes=1 train.num_threads=1
+    .venv/bin/python benchmarks/explore_window.py runtime.spot_nodes=1 train.num_threads=1
 """
 
 from __future__ import annotations

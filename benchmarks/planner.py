@@ -16,7 +16,7 @@ The budget. The default, 0.317, is what the tiny recipe's stale exploration actu
 (`explore.window=iteration`: rollout and update): a mean of 325 candidates per window against
 16 prompts x 64 candidates, measured with
 
-    .venv/bin/spotlight train configs/dit/tiny-shapes.yaml explore.mode=stale explore.num_spot_nodes=1 \
+    .venv/bin/spotlight train configs/dit/tiny-shapes.yaml explore.mode=stale runtime.spot_nodes=1 \
         train.num_threads=1 train.num_iterations=10 --run-dir R
     .venv/bin/python benchmarks/planner.py --table T --budget-from R
 

@@ -12,13 +12,13 @@ Workers are heterogeneous: trace node `node-K` runs at speed `speeds[K % len(spe
 `step_s / speed` wall seconds. The padding stands for a slower accelerator and leaves the bits
 alone; the tiny model's real step (~6 ms on one core) fits inside it.
 
-The same jobs (the shipped tiny model, `--steps` steps each, prompts from the shapes grammar) run
-twice on the same replay, one after the other (`--repeats R`: R such pairs, alternating which
-scheduler goes first): under `PullScheduler` and under the push baseline
-`PushScheduler` (round robin up front to the workers ready at the start, a lost worker's jobs
-re-pushed round robin to the workers ready then, resuming from their last commit like pull; see
-spot/scheduler.py; pull also moves a running job from a slower worker to a free faster one
-through a commit, the queue's tail hand-off). Each run starts once the trace's initial nodes have
+The same jobs (the shipped tiny model, `--steps` steps each, prompts from the shapes grammar; each
+a one-row rollout job of the DiT runner) run twice on the same replay, one after the other
+(`--repeats R`: R such pairs, alternating which scheduler goes first): under the runtime's pull
+scheduler and under its push baseline (`spot.runtime.Runtime(policy="push")`: round robin up front
+to the workers ready at the start, a lost worker's jobs re-pushed round robin to the workers ready
+then, resuming from their last commit like pull; pull also moves a running job from a slower worker
+to a free faster one through a commit, the queue's tail hand-off). Each run starts once the trace's initial nodes have
 loaded their workers; the trace clock and the job stream start together; the run ends when every
 job has a result (after the window the cluster stays as the trace left it).
 
@@ -47,7 +47,10 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
+
+import torch
 
 
 def main() -> None:
@@ -93,22 +96,22 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def fit_trace(args):
-    from spot.replay import busiest_window, window
-    from spot.traces import load_trace, synthetic_trace
+    from spot.replay import fit_trace as fit
+    from spot.traces import synthetic_trace
 
     if args.synthetic:
         trace = synthetic_trace(
             num_nodes=args.nodes, duration_s=args.window_s, preemptions_per_node_hour=4.0,
             replacement_delay_s=120.0, seed=args.seed,
-        )  # fmt: skip
+        ).compressed(args.compress)  # fmt: skip
+        if args.notice_s > 0:
+            trace = trace.with_notices(args.notice_s / args.compress)
         start = 0.0
     else:
-        full = load_trace(args.trace).trimmed().rescaled(args.nodes)
-        start = busiest_window(full, args.window_s) if args.start_s is None else args.start_s
-        trace = window(full, start, args.window_s)
-    trace = trace.compressed(args.compress)
-    if args.notice_s > 0:
-        trace = trace.with_notices(args.notice_s / args.compress)
+        trace, start = fit(
+            args.trace, nodes=args.nodes, window_s=args.window_s, start_s=args.start_s,
+            compress=args.compress, notice_s=args.notice_s,
+        )  # fmt: skip
     logging.info("%s; start %g s", trace.summary(), start)
     args.window_start_s = start
     return trace
@@ -140,38 +143,56 @@ def size_jobs(trace, speeds: list[float], args, startup_s: float = 8.0) -> int:
     return max(2 * args.nodes, int(0.8 * speed_s / (args.steps * args.step_s)))
 
 
-def run(trace, speeds: list[float], num_jobs: int, args) -> dict:
+def bench_recipe(args):
+    """The shipped tiny model's recipe with the benchmark's sampler: `--steps` SDE steps, float32."""
+    from spotlight.config import DiTRecipe
+
+    cfg = DiTRecipe()
+    cfg.sample.num_steps, cfg.sample.noise_level, cfg.sample.autocast = args.steps, 0.7, "none"
+    cfg.train.objective = "flow_grpo"
+    return cfg
+
+
+def make_jobs(args, num_jobs: int, seed: int) -> list:
+    """One-row rollout jobs of the DiT runner, only the final latent kept."""
     from spot.jobqueue import Job
-    from spot.replay import ReplayCluster
-    from spot.scheduler import DenoiseSpec, PullScheduler, PushScheduler
-    from spotlight.config import ModelConfig
+    from spotlight.jobs import RolloutJob
     from spotlight.rewards.shapes import all_prompts
     from spotlight.sampling import derive_seed
 
     prompts = all_prompts(1)
-    jobs = [Job(i, prompts[i % len(prompts)], seed=derive_seed(args.seed, i)) for i in range(num_jobs)]
-    spec = DenoiseSpec(num_steps=args.steps)
-    model = ModelConfig()
-    cluster = ReplayCluster()
+    steps = list(range(args.steps))
+    return [
+        Job(i, RolloutJob([prompts[i % len(prompts)]], [derive_seed(seed, i)], steps, [args.steps]), num_steps=args.steps, kind="rollout")
+        for i in range(num_jobs)
+    ]
+
+
+def run(trace, speeds: list[float], num_jobs: int, args) -> dict:
+    from spot.cluster import LocalCluster
+
+    jobs = make_jobs(args, num_jobs, args.seed)
+    cfg = bench_recipe(args)
+    cluster = LocalCluster()
     try:
         import ray
 
         ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
         runs: dict[str, list[dict]] = {"pull": [], "push": []}
-        schedulers = {"pull": PullScheduler, "push": PushScheduler}
         for rep in range(args.repeats):
             # Alternate the order so that drift of a shared, noisy machine hits both schedulers alike.
             for name in ("pull", "push") if rep % 2 == 0 else ("push", "pull"):
-                one = one_run(cluster, trace, schedulers[name], model, spec, jobs, speeds, args)
+                one = one_run(cluster, trace, name, cfg, jobs, speeds, args)
                 runs[name].append(one)
                 logging.info("%s #%d: %s", name, rep, {k: v for k, v in one.items() if k != "latents"})
     finally:
         cluster.shutdown()
-    bit_exact = check_bits(model, spec, jobs, [r.pop("latents") for name in runs for r in runs[name]])
+    bit_exact = check_bits(cfg, jobs, [r.pop("latents") for name in runs for r in runs[name]])
     pull, push = _combined(runs["pull"]), _combined(runs["push"])
     ratios = [round(a["jobs_per_s"] / b["jobs_per_s"], 3) for a, b in zip(runs["pull"], runs["push"])]
     return {
         "trace": "synthetic" if args.synthetic else args.trace.name,
+        "baseline": "push: round robin at submission to the workers ready then, re-pushed on a loss",
         "window_s": [args.window_start_s, args.window_start_s + args.window_s],
         "compress": args.compress,
         "notice_s": args.notice_s,
@@ -194,15 +215,17 @@ def run(trace, speeds: list[float], num_jobs: int, args) -> dict:
     }
 
 
-def one_run(cluster, trace, cls, model, spec, jobs, speeds, args) -> dict:
+def one_run(cluster, trace, policy: str, cfg, jobs, speeds, args) -> dict:
     from spot.replay import TraceReplayer
+    from spot.runtime import Runtime
 
     replayer = TraceReplayer(cluster, trace, fake_imds=args.notice_s > 0)
     pool = None
     sched = None
     try:
-        pool = start_pool(replayer, model, spec, speeds, args)
-        sched = cls(pool)
+        pool, initial = start_pool(replayer, cfg, speeds, args)
+        sched = Runtime(pool, policy=policy, tick_s=0.1)
+        wait_groups(sched, initial)
         sched.submit(jobs)
         report = run_on_replay(sched, replayer, args.timeout_s)
         preemptions = replayer.num_preemptions
@@ -221,20 +244,31 @@ def one_run(cluster, trace, cls, model, spec, jobs, speeds, args) -> dict:
             "released": s.released,
             "handoffs": s.handoffs,
             "recomputed_steps": s.recomputed_steps,
+            "steps_in_flight_lost": s.steps_in_flight_lost,
             "max_recomputed_steps": s.max_recomputed_steps,
             "stale_results_dropped": s.stale_results,
             "workers_died": sum(ev == "died" for _, _, ev in report.events),
             "workers_left": sum(ev == "left" for _, _, ev in report.events),
-            "repushed": len(getattr(sched, "repushed", [])),
+            "repushed": len(sched.repushed),
             "max_event_delay_s": round(max(late, default=0.0), 2),
-            "latents": {r.job_id: r.latent_LC for r in report.results},
+            "latents": {r.job_id: r.output.latents[-1][0] for r in report.results},
         }
     finally:
         tear_down(sched, pool, replayer)
 
 
+def wait_groups(sched, n: int, timeout_s: float = 300.0) -> None:
+    """Tick until `n` groups serve the queue (push assigns jobs to the groups ready at submission)."""
+    deadline = time.monotonic() + timeout_s
+    while len(sched.pool.running()) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(sched.pool.running())} of {n} workers ready after {timeout_s} s")
+        sched.tick()
+        time.sleep(0.05)
+
+
 def tear_down(sched, pool, replayer) -> None:
-    """Close the scheduler and the pool (either may be None) and remove the replay's nodes."""
+    """Close the runtime and the pool (either may be None) and remove the replay's nodes."""
     if sched is not None:
         sched.close()
     if pool is not None:
@@ -242,12 +276,16 @@ def tear_down(sched, pool, replayer) -> None:
     replayer.remove_all()
 
 
-def start_pool(replayer, model, spec, speeds: list[float], args, on_node=None):
-    """Add the trace's initial nodes and a `WorkerPool` on them (speeds by node name, a fake metadata
-    endpoint each when the replay gives notices); returns once their workers are ready.
-    `on_node(ray_node_id, trace_name)` is called as each node gets a worker."""
-    from spot.replay import NODE_LABEL
-    from spot.scheduler import WorkerPool
+def start_pool(replayer, cfg, speeds: list[float], args, on_node=None):
+    """Add the trace's initial nodes and a `WorkerPool` of DiT runners for them (speeds by node name;
+    each worker watches its node's fake metadata endpoint when the replay gives notices); returns the
+    pool and the number of initial nodes. `on_node(ray_node_id, trace_name)` is called as each node
+    gets a worker."""
+    from functools import partial
+
+    from spot.cluster import NODE_LABEL
+    from spot.pool import WorkerPool
+    from spotlight.jobs import DiTRunner
 
     initial = replayer.add_initial()
 
@@ -255,16 +293,17 @@ def start_pool(replayer, model, spec, speeds: list[float], args, on_node=None):
         name = node["Labels"][NODE_LABEL]
         if on_node is not None:
             on_node(node["NodeID"], name)
-        return {"step_s": args.step_s / node_speed(name, speeds), "imds_endpoint": replayer.imds_url(name)}
+        return {"step_s": args.step_s / node_speed(name, speeds)}
 
-    pool = WorkerPool(model, spec, worker_kwargs={"commit_every": args.commit_every, "imds_poll_s": 0.2}, node_kwargs=node_kwargs)
+    worker_kwargs = {"commit_every": args.commit_every, "imds_poll_s": 0.2, "poll_s": 0.05, "idle_poll_s": 0.05}
+    pool = WorkerPool(partial(DiTRunner, cfg), worker_kwargs=worker_kwargs, node_kwargs=node_kwargs)
     pool.wait_ready(len(initial), timeout_s=300)
-    return pool
+    return pool, len(initial)
 
 
 def run_on_replay(sched, replayer, timeout_s: float):
-    """Run the scheduler (jobs submitted) on a thread while the trace replays on this one (Ray starts
-    nodes from the main thread); its `RunReport` once every job is delivered or `timeout_s` passed."""
+    """Run the runtime (jobs submitted) on a thread while the trace replays on this one (Ray starts
+    nodes from the main thread); its `RunOutcome` once every job is delivered or `timeout_s` passed."""
     done, box = threading.Event(), {}
 
     def drive():
@@ -296,17 +335,17 @@ def _combined(runs: list[dict]) -> dict:
     return out
 
 
-def check_bits(model, spec, jobs, latents_by_run: list[dict]) -> bool:
-    """Every delivered latent equals the uninterrupted sampling of its job (one thread, as the workers)."""
-    import torch
-
-    from spot.scheduler import sample_uninterrupted
+def check_bits(cfg, jobs, latents_by_run: list[dict]) -> bool:
+    """Every delivered final latent equals the trainer's own uninterrupted rollout of its row."""
     from spotlight.policy import load_policy
+    from spotlight.rollout import rollout
+    from spotlight.sampling import qwen_image_sigmas
 
-    torch.set_num_threads(1)
-    policy = load_policy(model, trainable=False)
+    policy = load_policy(cfg.model, trainable=False)
+    sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
     for job in jobs:
-        ref = sample_uninterrupted(policy, job, spec)
+        p = job.payload
+        ref = rollout(policy, p.prompts, p.seeds, sigmas, noise_level=cfg.sample.noise_level, sde_steps=p.sde_steps).trajectory.final[0]
         for latents in latents_by_run:
             if job.job_id in latents and not torch.equal(latents[job.job_id], ref):
                 logging.warning("job %d differs from its uninterrupted sampling", job.job_id)

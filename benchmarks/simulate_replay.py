@@ -73,7 +73,7 @@ def one(args) -> dict:
             loop = EventLoop()
             cluster = Cluster(loop, profile, trace, on_demand_gpus=0, wrap=False, initial_ready=True,
                               node_speed=lambda name: node_speed(name, speeds), step_jitter=0.1, seed=seed)  # fmt: skip
-            res = cluster.run_phase([Job(i, "", seed=i) for i in range(num_jobs)], args.steps, pools=(True,), scheduler=scheduler)
+            res = cluster.run_phase([Job(i, num_steps=args.steps) for i in range(num_jobs)], args.steps, pools=(True,), scheduler=scheduler)
             runs.append(res.end_s - res.start_s)
         walls[scheduler] = statistics.mean(runs)
     steps = trace.availability() + [(trace.duration_s, 0)]

@@ -1,15 +1,16 @@
 """Elastic SP recovery: re-forming survivors in place against a cold restart, side by side in one run.
 
-Four persistent `SPWorker`s (one CPU slot each, one thread) on one spot node of a local Ray cluster
-on 127.0.0.1 (`spot.replay.ReplayCluster`), the tiny shapes model shipped with spotlight (4 heads,
-64 image tokens). Phases, one `JobQueue` each:
+Four persistent runtime workers (`spot.worker.Worker` with the DiT runner, one CPU slot each, one
+thread) on one spot node with four slots of a local Ray cluster on 127.0.0.1
+(`spot.cluster.LocalCluster`), the tiny shapes model shipped with spotlight (4 heads, 64 image
+tokens). Phases, one runtime (`JobQueue`) each:
 
 1. determinism: the same job sampled by groups of degree 4, 2 and 1 (the pull scheduler); each
    decoded image against a single-process run of the stock transformer.
 2. reform: a degree-4 group runs a job; once it is past a commit, one member's process gets
    SIGKILL. The clock starts just before the kill. Detection is the survivors' collectives failing
    (their sockets to the dead process close) and Ray reporting the dead actor's call; the driver
-   learns of it through `ray.wait` on the members' `run` calls. The scheduler fences the group,
+   learns of it through `ray.wait` on the members' `run` calls. The runtime fences the group,
    requeues the job from its last commit, re-forms the 3 survivors (degrees 2 and 1: 4 heads) as a
    new generation and starts them; `reform_s` ends when a survivor finishes its first step of the
    resumed job (worker-side `time.monotonic()`, a system-wide clock). The job then runs to the end
@@ -43,29 +44,51 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spot.elastic import ElasticPool, ElasticScheduler  # noqa: E402
+from functools import partial  # noqa: E402
+
+from spot.cluster import LocalCluster  # noqa: E402
 from spot.jobqueue import Job  # noqa: E402
-from spot.replay import ReplayCluster  # noqa: E402
-from spot.scheduler import DenoiseSpec, sample_uninterrupted  # noqa: E402
-from spot.sp_worker import publish_weights  # noqa: E402
+from spot.pool import WorkerPool  # noqa: E402
+from spot.runtime import Runtime  # noqa: E402
 from spot.store import open_store  # noqa: E402
-from spotlight.config import ModelConfig  # noqa: E402
+from spot.weights import publish_weights  # noqa: E402
+from spotlight.config import DiTRecipe  # noqa: E402
+from spotlight.jobs import DiTRunner, RolloutJob  # noqa: E402
 from spotlight.policy import load_policy, trainable_state  # noqa: E402
+from spotlight.rollout import rollout  # noqa: E402
+from spotlight.sampling import qwen_image_sigmas  # noqa: E402
 
 PROMPT = "a red circle"
 
 
-def past_a_commit(sched, commit_every: int, timeout_s: float = 60.0) -> None:
+def past_a_commit(rt, commit_every: int, timeout_s: float = 60.0) -> None:
     """Tick until the running job has a commit and a step past it."""
     import ray
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        sched.tick(0.005)
-        leases = ray.get(sched.queue.snapshot.remote())["leases"]
+        rt.tick()
+        leases = ray.get(rt.queue.snapshot.remote())["leases"]
         if leases and leases[0][3] >= commit_every and leases[0][4] > leases[0][3]:
             return
+        time.sleep(0.005)
     raise TimeoutError("the job did not get past a commit")
+
+
+def ended(rt) -> list:
+    """Tick until a group's run ends; its outcomes."""
+    while True:
+        outcomes = rt.tick()
+        if outcomes:
+            return outcomes
+        time.sleep(0.001)
+
+
+def add_worker(pool, node: str, source: str, store_dir: str) -> tuple[str, dict]:
+    """Start one worker on `node` and give it weights version 0 (from a sibling or the store)."""
+    (w,) = pool.spawn(1, node)
+    pool.wait_ready(len(pool.alive()) + 1, timeout_s=120)
+    return w, pool.load_weights([w], 0, source=source, store_url=store_dir)[w]
 
 
 def first_step_after(pool, workers, t0: float, sched=None, timeout_s: float = 120.0) -> float:
@@ -75,7 +98,7 @@ def first_step_after(pool, workers, t0: float, sched=None, timeout_s: float = 12
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if sched is not None:
-            sched.tick(0.0)
+            sched.tick()
         marks = ray.get([pool.actor(w).first_step.remote() for w in workers])
         after = [m for m in marks if m is not None and m > t0]
         if after:
@@ -104,99 +127,106 @@ def main() -> dict:
     logging.basicConfig(level=logging.WARNING)
 
     torch.set_num_threads(1)
-    model = ModelConfig()
-    spec = DenoiseSpec(num_steps=args.num_steps, noise_level=0.7)
-    policy = load_policy(model, trainable=False)
-    cluster = ReplayCluster(node_cpus=5)
+    cfg = DiTRecipe()
+    cfg.sample.num_steps, cfg.sample.noise_level, cfg.sample.autocast = args.num_steps, 0.7, "none"
+    cfg.train.objective = "flow_grpo"
+    policy = load_policy(cfg.model, trainable=False)
+    sigmas = qwen_image_sigmas(args.num_steps, policy.latent_shape[0])
+    cluster = LocalCluster(node_cpus=5)
     out: dict = {}
     try:
-        node = cluster.add_node("spot-a")
+        node = cluster.add_node("spot-a", slots=4)
         ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
         store_dir = tempfile.mkdtemp(prefix="sp-reform-store-")
         publish_weights(open_store(store_dir), 0, trainable_state(policy))
-        pool = ElasticPool(model, spec, store_url=store_dir, worker_kwargs={"commit_every": args.commit_every})
-        pool.add_workers(4, 0, node_id=node)
+        # No automatic replacement of a killed worker: phases 3 and 4 start one themselves.
+        pool = WorkerPool(
+            partial(DiTRunner, cfg), sp_degree=4, worker_kwargs={"commit_every": args.commit_every}, respawn_delay_s=1e9
+        )
+        pool.wait_ready(4, timeout_s=120)
+        pool.load_weights(pool.alive(), 0, store_url=store_dir)
         pids = {w: pool.pid(w) for w in pool.alive()}
 
-        def reference(job: Job) -> torch.Tensor:
-            return sample_uninterrupted(policy, job, spec)
+        def job(job_id: int, seed: int) -> Job:
+            return Job(job_id, RolloutJob([PROMPT], [seed], list(range(args.num_steps)), [args.num_steps]), num_steps=args.num_steps)
 
-        def image_err(latent, job) -> float:
-            return (policy.decode(latent[None]) - policy.decode(reference(job)[None])).abs().max().item()
+        def image_err(result, j: Job) -> float:
+            ref = rollout(policy, [PROMPT], j.payload.seeds, sigmas, noise_level=0.7, sde_steps=j.payload.sde_steps)
+            return (result.output.images - ref.images).abs().max().item()
+
+        def runtime(degree: int, **kwargs) -> Runtime:
+            pool.sp_degree = degree
+            return Runtime(pool, tick_s=0.001, **kwargs)
 
         # 1. determinism across degrees
         errs = {}
         for degree in (4, 2, 1):
-            sched = ElasticScheduler(pool, degree=degree)
-            job = Job(degree, PROMPT, seed=11)
-            sched.submit([job])
-            (result,) = sched.run(120).results
-            sched.close()
-            errs[degree] = image_err(result.latent_LC, job)
+            rt = runtime(degree)
+            j = job(degree, 11)
+            rt.submit([j])
+            (result,) = rt.run(120).results
+            rt.close()
+            errs[degree] = image_err(result, j)
 
         # 2. reform in place after a SIGKILL
-        sched = ElasticScheduler(pool, degree=4)
-        job = Job(10, PROMPT, seed=12)
-        sched.submit([job])
-        past_a_commit(sched, args.commit_every)
+        rt = runtime(4)
+        j = job(10, 12)
+        rt.submit([j])
+        past_a_commit(rt, args.commit_every)
         (group,) = pool.running()
         victim, t_kill = kill_member(pool, group)
-        outcomes = []
-        while not outcomes:
-            outcomes = sched.tick(0.001)
+        outcomes = ended(rt)
         survivors = [w for w in group.members if w != victim]
-        first = first_step_after(pool, survivors, t_kill, sched)
+        first = first_step_after(pool, survivors, t_kill, rt)
         new_groups = [g for g in pool.running() if set(g.members) <= set(survivors)]
         out["reform_s"] = first - t_kill
         out["detection_s"] = outcomes[0].ended_at - t_kill
         out["worker_detection_s"] = min(r.broken_at for r in outcomes[0].reports.values() if r.broken_at) - t_kill
         out["rendezvous_s"] = max(g.rendezvous_s for g in new_groups)
-        report = sched.run(120)
-        sched.close()
-        errs["regrouped 4->2"] = image_err(report.results[0].latent_LC, job)
+        report = rt.run(120)
+        rt.close()
+        errs["regrouped 4->2"] = image_err(report.results[0], j)
         out["pids_unchanged"] = all(pool.pid(w) == pids[w] for w in survivors)
 
         # 3. a newcomer joins from a sibling and the group grows back to 4
-        sched = ElasticScheduler(pool, degree=4, auto_form=False)
+        rt = runtime(4, auto_form=False)
         t_join = time.monotonic()
-        ((newcomer, how),) = pool.add_workers(1, 0, node_id=node).items()
+        newcomer, how = add_worker(pool, node, "auto", store_dir)
         assert how["source"] == "sibling", how
         t_formed = time.monotonic()
-        sched.form_free()
-        job = Job(20, PROMPT, seed=13)
-        sched.submit([job])
-        out["join_from_sibling_s"] = first_step_after(pool, [newcomer], t_join, sched) - t_join
+        rt.form_free()
+        j = job(20, 13)
+        rt.submit([j])
+        out["join_from_sibling_s"] = first_step_after(pool, [newcomer], t_join, rt) - t_join
         out["join_start_and_load_s"] = how["start_and_load_s"]
         out["join_sibling_copy_s"] = how["seconds"]
         out["join_model_load_s"] = how["load_s"]
         out["join_group_and_first_step_s"] = out["join_from_sibling_s"] - (t_formed - t_join)
-        report = sched.run(120)
-        sched.close()
-        errs["grown 4"] = image_err(report.results[0].latent_LC, job)
+        report = rt.run(120)
+        rt.close()
+        errs["grown 4"] = image_err(report.results[0], j)
 
         # 4. cold restart: a replacement process loads the model and the store's weights
-        sched = ElasticScheduler(pool, degree=4, auto_form=False)
-        sched.form_free()
-        job = Job(30, PROMPT, seed=14)
-        sched.submit([job])
-        past_a_commit(sched, args.commit_every)
+        rt = runtime(4, auto_form=False)
+        rt.form_free()
+        j = job(30, 14)
+        rt.submit([j])
+        past_a_commit(rt, args.commit_every)
         (group,) = pool.running()
         victim, t_kill = kill_member(pool, group)
-        outcomes = []
-        while not outcomes:
-            outcomes = sched.tick(0.001)
-        ((replacement, how),) = pool.add_workers(1, 0, node_id=node, source="store").items()
+        ended(rt)
+        replacement, how = add_worker(pool, node, "store", store_dir)
         t_formed = time.monotonic()
-        sched.form_free()
-        first = first_step_after(pool, [replacement], t_kill, sched)
+        rt.form_free()
+        first = first_step_after(pool, [replacement], t_kill, rt)
         out["cold_restart_s"] = first - t_kill
         out["cold_start_and_load_s"] = how["start_and_load_s"]
         out["cold_store_fetch_s"] = how["seconds"]
         out["cold_model_load_s"] = how["load_s"]
         out["cold_group_and_first_step_s"] = first - t_formed
-        report = sched.run(120)
-        sched.close()
-        errs["cold 4"] = image_err(report.results[0].latent_LC, job)
+        report = rt.run(120)
+        rt.close()
+        errs["cold 4"] = image_err(report.results[0], j)
 
         out["speedup"] = out["cold_restart_s"] / out["reform_s"]
         out["max_abs_err_vs_single"] = max(errs[d] for d in (1, 2, 4))

@@ -23,9 +23,9 @@ every repeat of both modes reached the target; `reached` counts the repeats that
 median iteration times.
 
     .venv/bin/python benchmarks/time_to_target.py                       # target: base + 0.03
-    .venv/bin/python benchmarks/time_to_target.py --target 0.43 --minutes 8 explore.num_spot_nodes=1
+    .venv/bin/python benchmarks/time_to_target.py --target 0.43 --minutes 8 runtime.spot_nodes=1
     .venv/bin/python benchmarks/time_to_target.py --minutes 5 --gain 0.05 --modes none,stale --repeats 2 \
-        explore.num_spot_nodes=1 train.num_threads=1
+        runtime.spot_nodes=1 train.num_threads=1
 """
 
 from __future__ import annotations

@@ -1,162 +1,50 @@
-"""Replay a spot-capacity trace on a real local Ray cluster (issue 4 item 2(c)).
+"""Replay a spot-capacity trace on a real local Ray cluster, in the same process or in a process of its own.
 
-`ReplayCluster` is a `ray.cluster_utils.Cluster` on 127.0.0.1: an on-demand head ({"on_demand": 1})
-and spot nodes added and removed by name ({"spot": 1}, one CPU, label `spot-trace-node=<name>`).
-A removal is hard (SIGKILL, `allow_graceful=False`): what a reclaimed spot instance looks like.
-The GCS health check runs every second and declares a node dead after two misses, so a killed node
-is seen in ~2-4 s instead of Ray's default ~15 s (design.md §4).
+`TraceReplayer` drives a `spot.cluster.LocalCluster` from `Trace.timeline()` on the trace's clock
+(compress the trace first), from the main thread while the workload runs elsewhere. With
+`fake_imds=True` every node gets its own `FakeIMDS`, named in the node's `IMDS_LABEL` label (the
+runtime's workers watch it), and a `notice` event publishes the interruption there its lead time
+ahead. Adding a node blocks for ~1-2 s here, so an event right after an add is late by that much;
+`applied` records when each event really happened. With `loop=True` a trace shorter than the run
+starts again: at each wrap the nodes are brought back to the trace's initial set (the extra ones
+preempted, the missing ones added).
 
-`TraceReplayer` drives the cluster from `Trace.timeline()` on the trace's clock (compress the
-trace first), from the main thread while the workload runs on another. With `fake_imds=True` every node gets its own `FakeIMDS`, and a
-`notice` event publishes the interruption there its lead time ahead; workers on the node watch it
-with `MetadataWatcher` (`imds_url`). Adding a node blocks for ~2-4 s here, so an event right after
-an add is late by that much; `applied` records when each event really happened.
+Ray starts nodes only from a process's main thread, so a training run that replays a trace runs
+the cluster in a process of its own: `python -m spot.replay serve ...` starts the cluster (head and
+the trace's initial nodes), prints its address as one JSON line, starts the trace's clock when it
+reads `go` on its standard input, and shuts the cluster down when its standard input closes (the
+driver ended, however it ended). `ReplayProcess` is the driver's side of that.
 
-Traces of 12-32 nodes do not fit 2 cores: `Trace.rescaled(n)` scales the node count, `window()`
-cuts a stretch of it, `busiest_window()` picks the stretch with the most preemptions.
+Traces of 12-32 nodes do not fit 2 cores: `fit_trace` rescales the node count
+(`Trace.rescaled(n)`), cuts a stretch of it (`window`; by default the one with the most preemptions,
+`busiest_window`), compresses it and adds notices.
 
-    cluster = ReplayCluster()
-    trace = window(load_trace(f).trimmed().rescaled(3), start_s, 1800).compressed(30).with_notices(4.0)
-    replayer = TraceReplayer(cluster, trace, fake_imds=True)
-    replayer.add_initial()      # the nodes present at t = 0
-    done = threading.Event()
-    threading.Thread(target=lambda: (workload(), done.set())).start()
-    replayer.run(stop=done)     # the trace's clock starts now; returns at its end or when done is set
-    replayer.remove_all()       # the spot nodes still up
-    cluster.shutdown()
+    replay = ReplayProcess(fit_trace("traces/parcae-p3-aws.csv", nodes=3, compress=40), fake_imds=True).start()
+    ray.init(address=replay.address)
+    ...                          # start the workload's workers on the initial nodes
+    replay.go()                  # the trace's clock starts now
+    ...
+    replay.stop()                # the cluster is gone
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
+from spot.cluster import IMDS_LABEL, LocalCluster
 from spot.fake_imds import FakeIMDS
-from spot.localray import ON_DEMAND, SPOT, import_ray_on_loopback
-from spot.traces import Trace
+from spot.traces import Trace, TraceEvent, load_trace
 
 logger = logging.getLogger(__name__)
-
-NODE_LABEL = "spot-trace-node"
-"""Label carrying a spot node's name in the trace."""
-
-
-class ReplayCluster:
-    """A local multi-node Ray cluster whose spot nodes come and go by name.
-
-    Args:
-        head_cpus: CPUs of the on-demand head (the queue needs none; the driver runs beside it).
-        node_cpus: CPUs of each spot node.
-        health_check_period_ms: GCS health-check period.
-        health_check_failure_threshold: missed checks before a node is declared dead.
-        object_store_mb: object store of each node.
-    """
-
-    def __init__(
-        self,
-        *,
-        head_cpus: int = 1,
-        node_cpus: int = 1,
-        health_check_period_ms: int = 1000,
-        health_check_failure_threshold: int = 2,
-        object_store_mb: int = 100,
-    ):
-        import_ray_on_loopback()
-        from ray.cluster_utils import Cluster
-
-        self._node_args = {
-            "node_ip_address": "127.0.0.1",
-            "num_cpus": node_cpus,
-            "object_store_memory": object_store_mb << 20,
-        }
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "node_ip_address": "127.0.0.1",
-                "num_cpus": head_cpus,
-                "resources": {ON_DEMAND: 1},
-                "object_store_memory": object_store_mb << 20,
-                "include_dashboard": False,
-                "_system_config": {
-                    "health_check_period_ms": health_check_period_ms,
-                    "health_check_failure_threshold": health_check_failure_threshold,
-                },
-            },
-        )
-        self._nodes: dict = {}  # name -> ray._private.node.Node
-        self._lock = threading.Lock()
-
-    @property
-    def address(self) -> str:
-        return self.cluster.address
-
-    def add_node(self, name: str) -> str:
-        """Start a spot node called `name`; returns its Ray node id (hex)."""
-        with self._lock:
-            if name in self._nodes:
-                raise ValueError(f"node {name!r} is already up")
-        # With Cluster's own wait (ray._private.services.wait_for_node, which sets up a new GCS
-        # client each time) an add took ~2.1 s on 2 cores instead of ~1.1 s, and the later events
-        # of a burst of adds were late by that much each. The cluster's connected node table
-        # answers in milliseconds.
-        node = self.cluster.add_node(wait=False, **self._node_args, resources={SPOT: 1}, labels={NODE_LABEL: name})
-        self._wait_registered(name, node.node_id)
-        with self._lock:
-            self._nodes[name] = node
-        return node.node_id
-
-    def _wait_registered(self, name: str, node_id: str, timeout_s: float = 30.0) -> None:
-        """Return once node `node_id` is alive in the GCS node table."""
-        deadline = time.monotonic() + timeout_s
-        while not any(n["NodeID"] == node_id and n["Alive"] for n in self.cluster.global_state.node_table()):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"spot node {name!r} ({node_id[:8]}) did not register within {timeout_s} s")
-            time.sleep(0.02)
-
-    def remove_node(self, name: str, *, graceful: bool = False) -> None:
-        """Kill spot node `name`: SIGKILL to its raylet and every process under it, unless `graceful`.
-
-        The worker processes go first, together: a reclaimed instance vanishes whole, while a lone
-        SIGKILLed raylet leaves its workers running (and committing) for a moment.
-        """
-        import psutil
-        from ray._private import ray_constants
-
-        with self._lock:
-            node = self._nodes.pop(name)
-        if not graceful:
-            raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
-            try:
-                children = psutil.Process(raylet.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                children = []
-            for proc in children:
-                try:
-                    proc.kill()
-                except psutil.NoSuchProcess:
-                    pass
-        self.cluster.remove_node(node, allow_graceful=graceful)
-
-    def node_names(self) -> list[str]:
-        with self._lock:
-            return list(self._nodes)
-
-    def node_id(self, name: str) -> str:
-        with self._lock:
-            return self._nodes[name].node_id
-
-    def shutdown(self) -> None:
-        """Stop every node and the head (disconnects this process from Ray first)."""
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-        self.cluster.shutdown()
-        self._nodes.clear()
-        os.environ.pop("RAY_ADDRESS", None)  # set by Cluster; would leak into later ray.init() calls
 
 
 @dataclass(frozen=True)
@@ -174,7 +62,7 @@ class AppliedEvent:
 
 
 class TraceReplayer:
-    """Apply a trace's adds, notices and preemptions to a `ReplayCluster` on the trace's clock.
+    """Apply a trace's adds, notices and preemptions to a `LocalCluster` on the trace's clock.
 
     Args:
         cluster: the cluster to drive.
@@ -182,7 +70,7 @@ class TraceReplayer:
         fake_imds: give every node a fake metadata endpoint and publish notices on it.
     """
 
-    def __init__(self, cluster: ReplayCluster, trace: Trace, *, fake_imds: bool = False):
+    def __init__(self, cluster: LocalCluster, trace: Trace, *, fake_imds: bool = False):
         self.cluster = cluster
         self.trace = trace
         self.fake_imds = fake_imds
@@ -218,25 +106,40 @@ class TraceReplayer:
             self._next += 1
         return names
 
-    def run(self, stop: threading.Event | None = None) -> None:
+    def run(self, stop: threading.Event | None = None, *, loop: bool = False) -> None:
         """Start the trace's clock now and apply the remaining events on time; return at the end of
-        the trace or as soon as `stop` is set.
+        the trace (with `loop`, never) or as soon as `stop` is set.
 
-        Call it from the main thread (run the workload on another): Ray installs a SIGTERM handler
+        Call it from the main thread (run the workload elsewhere): Ray installs a SIGTERM handler
         when it starts a node, which only the main thread may do.
         """
         assert self._t0 is None, "already replayed"
         stop = stop or threading.Event()
         self._t0 = time.monotonic()
-        for ev in self._timeline[self._next :]:
-            if stop.wait(max(0.0, self._t0 + ev.t_s - time.monotonic())):
+        initial = [ev.node_id for ev in self._timeline if ev.t_s <= 0 and ev.kind == "add"]
+        offset = 0.0
+        while True:
+            for ev in self._timeline[self._next :]:
+                if stop.wait(max(0.0, self._t0 + offset + ev.t_s - time.monotonic())):
+                    return
+                self._apply_logged(ev, offset)
+                self._next += 1
+            if stop.wait(max(0.0, self._t0 + offset + self.trace.duration_s - time.monotonic())) or not loop:
                 return
-            try:
-                self._apply(ev, self.elapsed_s())
-            except Exception:  # noqa: BLE001 - log and keep replaying: one bad event must not freeze capacity
-                logger.exception("replaying %s of %s at %.1f s failed", ev.kind, ev.node_id, ev.t_s)
-            self._next += 1
-        stop.wait(max(0.0, self._t0 + self.trace.duration_s - time.monotonic()))
+            # Wrap: back to the initial nodes, then the events after t = 0 again.
+            offset += self.trace.duration_s
+            for name in sorted(self._up - set(initial)):
+                self._apply_logged(TraceEvent(0.0, name, "preempt"), offset)
+            for name in initial:
+                if name not in self._up:
+                    self._apply_logged(TraceEvent(0.0, name, "add"), offset)
+            self._next = next((i for i, ev in enumerate(self._timeline) if ev.t_s > 0), len(self._timeline))
+
+    def _apply_logged(self, ev: TraceEvent, offset: float) -> None:
+        try:
+            self._apply(TraceEvent(ev.t_s + offset, ev.node_id, ev.kind, ev.notice_lead_s), self.elapsed_s())
+        except Exception:  # noqa: BLE001 - log and keep replaying: one bad event must not freeze capacity
+            logger.exception("replaying %s of %s at %.1f s failed", ev.kind, ev.node_id, ev.t_s + offset)
 
     @property
     def started_at(self) -> float | None:
@@ -248,9 +151,11 @@ class TraceReplayer:
 
     def _apply(self, ev, at_s: float) -> None:
         if ev.kind == "add":
+            labels = {}
             if self.fake_imds:
                 self._imds[ev.node_id] = FakeIMDS(instance_id=f"i-{ev.node_id}").start()
-            self.cluster.add_node(ev.node_id)
+                labels[IMDS_LABEL] = self._imds[ev.node_id].url
+            self.cluster.add_node(ev.node_id, labels=labels)
             self._up.add(ev.node_id)
         elif ev.kind == "notice":
             if self.fake_imds:
@@ -318,3 +223,199 @@ def busiest_window(trace: Trace, length_s: float) -> float:
         if w.num_preemptions > best_count:
             best, best_count = start, w.num_preemptions
     return best
+
+
+def fit_trace(
+    path: str | Path,
+    *,
+    nodes: int = 3,
+    window_s: float = 2400.0,
+    start_s: float | None = None,
+    compress: float = 40.0,
+    notice_s: float = 0.0,
+) -> tuple[Trace, float]:
+    """A shipped trace fitted to a small local cluster; returns it and the start of the stretch.
+
+    Trimmed, rescaled to a peak of `nodes` spot nodes, cut to `window_s` trace seconds from
+    `start_s` (default: the stretch with the most preemptions), compressed `compress` times, and
+    with `notice_s` > 0 every preemption warned that many trace seconds ahead (AWS gives 120).
+    """
+    full = load_trace(path).trimmed().rescaled(nodes)
+    start = busiest_window(full, window_s) if start_s is None else start_s
+    trace = window(full, start, window_s).compressed(compress)
+    if notice_s > 0:
+        trace = trace.with_notices(notice_s / compress)
+    return trace, start
+
+
+def _trace_to_dict(trace: Trace) -> dict:
+    return {"events": [asdict(ev) for ev in trace.events], "duration_s": trace.duration_s, "source": trace.source, "format": trace.format}
+
+
+def _trace_from_dict(d: dict) -> Trace:
+    return Trace(tuple(TraceEvent(**ev) for ev in d["events"]), d["duration_s"], d["source"], d["format"])
+
+
+# -- the replay in a process of its own --------------------------------------------------------------
+
+
+class ReplayProcess:
+    """A local cluster replaying `trace` in a child process (`python -m spot.replay serve`).
+
+    Args:
+        trace: the trace, already fitted and compressed (`fit_trace`).
+        fake_imds: a fake metadata endpoint per node, with the trace's notices.
+        loop: replay the trace again and again until stopped.
+        events_path: the child appends each applied event there as a JSON line.
+        log_path: the child's log (stderr); None: this process's stderr.
+        startup_timeout_s: how long to wait for the cluster and its initial nodes.
+    """
+
+    def __init__(
+        self,
+        trace: Trace,
+        *,
+        fake_imds: bool = False,
+        loop: bool = False,
+        events_path: str | Path | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout_s: float = 120.0,
+    ):
+        self.trace = trace
+        self.fake_imds = fake_imds
+        self.loop = loop
+        self.events_path = Path(events_path) if events_path else None
+        self.log_path = Path(log_path) if log_path else None
+        self.startup_timeout_s = startup_timeout_s
+        self.address: str | None = None
+        self.initial_nodes: list[str] = []
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    def start(self) -> ReplayProcess:
+        """Start the child; return once its cluster and the trace's initial nodes are up."""
+        import select
+        import tempfile
+
+        spec = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="spot-trace-", delete=False)
+        with spec:
+            json.dump(_trace_to_dict(self.trace), spec)
+        cmd = [sys.executable, "-m", "spot.replay", "serve", spec.name]
+        cmd += ["--fake-imds"] * self.fake_imds + ["--loop"] * self.loop
+        cmd += ["--events", str(self.events_path)] if self.events_path else []
+        self._log = open(self.log_path, "a") if self.log_path else None  # noqa: SIM115 - closed in stop()
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True
+        )
+        ready, _, _ = select.select([self._proc.stdout], [], [], self.startup_timeout_s)
+        line = self._proc.stdout.readline() if ready else ""
+        os.unlink(spec.name)
+        if not line:
+            self.stop()
+            where = f"; see {self.log_path}" if self.log_path else ""
+            raise RuntimeError(f"the trace replay's cluster did not start within {self.startup_timeout_s:g} s{where}")
+        hello = json.loads(line)
+        self.address, self.initial_nodes = hello["address"], hello["initial_nodes"]
+        return self
+
+    def go(self) -> None:
+        """Start the trace's clock."""
+        self._proc.stdin.write("go\n")
+        self._proc.stdin.flush()
+
+    def applied(self) -> list[AppliedEvent]:
+        """The events the child applied so far (from its events file)."""
+        if self.events_path is None or not self.events_path.exists():
+            return []
+        rows = []
+        for line in self.events_path.read_text().splitlines():
+            try:
+                rows.append(AppliedEvent(**json.loads(line)))
+            except (json.JSONDecodeError, TypeError):
+                break  # a line being written
+        return rows
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Close the child's input: it stops replaying and shuts its cluster down; wait for it."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("the trace replay did not stop within %g s: killing it", timeout_s)
+                proc.kill()
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def serve(trace: Trace, *, fake_imds: bool, loop: bool, events_path: Path | None) -> None:
+    """The child's side: cluster up, address out, clock on `go`, everything down when stdin closes."""
+    cluster = LocalCluster()
+    replayer = TraceReplayer(cluster, trace, fake_imds=fake_imds)
+    stop = threading.Event()
+    go = threading.Event()
+    written = 0
+
+    def listen() -> None:
+        for line in sys.stdin:
+            if line.strip() == "go":
+                go.set()
+        stop.set()  # the driver closed our input: it is done (or gone)
+        go.set()
+
+    def log_events() -> None:
+        nonlocal written
+        if events_path is None:
+            return
+        with events_path.open("a") as f:
+            for ev in replayer.applied[written:]:
+                f.write(json.dumps(asdict(ev)) + "\n")
+            written = len(replayer.applied)
+
+    try:
+        initial = replayer.add_initial()
+        log_events()
+        print(json.dumps({"address": cluster.address, "initial_nodes": initial}), flush=True)
+        threading.Thread(target=listen, name="stdin", daemon=True).start()
+        go.wait()
+        if not stop.is_set():
+            writer_stop = threading.Event()
+
+            def write_events() -> None:
+                while not writer_stop.wait(0.2):
+                    log_events()
+
+            writer = threading.Thread(target=write_events, name="events", daemon=True)
+            writer.start()
+            replayer.run(stop=stop, loop=loop)
+            stop.wait()  # after the trace: keep the cluster as it left it until the driver is done
+            writer_stop.set()
+            writer.join()
+            log_events()
+    finally:
+        replayer.remove_all()
+        cluster.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m spot.replay", description="Replay a spot trace on a local Ray cluster.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    srv = sub.add_parser("serve", help="run a cluster that replays a fitted trace (JSON) until stdin closes")
+    srv.add_argument("trace_json", type=Path)
+    srv.add_argument("--fake-imds", action="store_true")
+    srv.add_argument("--loop", action="store_true")
+    srv.add_argument("--events", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="replay: %(message)s")
+    trace = _trace_from_dict(json.loads(args.trace_json.read_text()))
+    serve(trace, fake_imds=args.fake_imds, loop=args.loop, events_path=args.events)
+
+
+if __name__ == "__main__":
+    main()

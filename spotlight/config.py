@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from planners.families import prompt_family
+from spot.cost import CostConfig
 
 
 @dataclass
@@ -236,14 +237,6 @@ class ExploreConfig:
     """Most candidate seeds of one prompt (the first G are the default seeds); 0 = 4 * train.group_size."""
     selection: Literal["extremes", "random"] = "extremes"
     """The G seeds kept from a prompt's candidates: "extremes" (top ceil(G/2) and bottom floor(G/2) by stale reward) or "random" (the control)."""
-    ray_address: str = ""
-    """Ray cluster to join (e.g. "10.0.0.1:6379"); empty starts a local one on 127.0.0.1 (an on-demand head and num_spot_nodes spot nodes)."""
-    num_spot_nodes: int = 2
-    """Nodes of the local cluster carrying the `spot` resource (1 CPU each)."""
-    num_explorers: int = 0
-    """Explorer actors (each takes 1 CPU and one `spot` resource); 0 = one per `spot` resource of the cluster."""
-    explorer_threads: int = 1
-    """torch CPU threads per explorer."""
     batch_size: int = 16
     """Candidates per explorer forward batch; an explorer checks its time limit between batches."""
     window: Literal["update", "iteration"] = "iteration"
@@ -252,19 +245,16 @@ class ExploreConfig:
     """Share of the predicted window (`window`) the plan may fill (headroom for weight transfer and jitter)."""
     ema: float = 0.5
     """Weight of the newest measurement in the running means of step time and explorer throughput."""
-    startup_timeout_s: float = 120.0
-    """Wait up to this long at start-up for explorers to load the model; later ones join when ready."""
 
     def validate(self) -> None:
         if not 0 < self.budget_fraction <= 1:
             raise ValueError(f"budget_fraction must be in (0, 1], got {self.budget_fraction}")
         if not 0 < self.ema <= 1:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
-        for name in ("num_spot_nodes", "explorer_threads", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_explorers < 0 or self.max_candidates < 0 or self.startup_timeout_s < 0:
-            raise ValueError("num_explorers, max_candidates and startup_timeout_s must be >= 0")
+        if self.batch_size < 1:
+            raise ValueError(f"explore.batch_size must be >= 1, got {self.batch_size}")
+        if self.max_candidates < 0:
+            raise ValueError(f"explore.max_candidates must be >= 0, got {self.max_candidates}")
 
     def candidates_cap(self, group_size: int) -> int:
         """The effective max_candidates for a group size G."""
@@ -272,41 +262,74 @@ class ExploreConfig:
 
 
 @dataclass
-class CostConfig:
-    """What the run's GPUs cost: the ledger `cost.json` in the run directory (`spotlight cost RUN_DIR`, see `spot.cost`)."""
+class RuntimeConfig:
+    """Where rollouts and exploration run: the trainer's process, or the spot runtime's workers on a Ray cluster (docs/spot.md)."""
 
-    on_demand_usd_per_gpu_hour: float = 6.88
-    """On-demand price of one GPU-hour (the trainer's node); the default is about AWS's p5 (H100) list price in us-east-1, mid-2025."""
-    trainer_gpus: int = 1
-    """GPUs of the trainer's on-demand node, charged for the whole run (a CPU run counts as one; a launch of N processes charges at least N)."""
-    spot_price: Literal["discount", "history"] = "discount"
-    """How spot GPU-hours are priced: "discount" = spot_discount off on-demand; "history" = EC2 spot price history (boto3, standard AWS credential chain)."""
-    spot_discount: float = 0.6
-    """"discount": spot price = (1 - spot_discount) x on-demand price."""
-    instance_type: str = "p5.4xlarge"
-    """"history": the spot instance type whose price is read."""
-    gpus_per_instance: int = 1
-    """"history": GPUs of instance_type (its price per instance-hour is divided by this)."""
-    region: str = "us-east-1"
-    """"history": AWS region of the spot nodes."""
-    availability_zone: str = ""
-    """"history": AZ of the spot nodes; empty = the highest price among the region's AZs at each moment (never understates)."""
-    product_description: str = "Linux/UNIX"
-    """"history": the price's product description."""
-    refresh_minutes: float = 15.0
-    """"history": read new price changes this often during a run."""
+    rollouts: Literal["local", "cluster"] = "local"
+    """Where each iteration's rollout runs: "local" = in the trainer's process; "cluster" = as jobs on the pull queue, served by workers on the cluster's on-demand and spot nodes, through preemptions (exploration always runs on the cluster's spot workers)."""
+    ray_address: str = ""
+    """Ray cluster to join (e.g. "10.0.0.1:6379"); empty starts a local one on 127.0.0.1: an on-demand head and spot_nodes spot nodes, or the nodes of `trace`."""
+    spot_nodes: int = 2
+    """Spot nodes of the local cluster (1 CPU and one `spot` worker each; ignored with ray_address or trace)."""
+    on_demand_workers: int = 1
+    """Rollout workers on the trainer's own (on-demand) node, using the devices it leaves idle while it waits for its rollout (runtime.rollouts=cluster; they never explore)."""
+    worker_threads: int = 1
+    """torch CPU threads per worker."""
+    job_size: int = 0
+    """Rows (prompt, seed) per rollout job; 0 = train.group_size (one group per job). A job gives the local rollout's bits when it has sample.batch_size rows, or where the matmuls round the same at both sizes (the tiny recipe: spotlight/jobs.py)."""
+    commit_every: int = 4
+    """A worker commits a job's state (its latent) to the queue every this many steps, and at once on a preemption notice."""
+    lease_timeout_s: float = 10.0
+    """A job whose worker sent nothing for this long resumes elsewhere from its last commit (a lost node is usually seen sooner, by Ray)."""
+    rollout_timeout_s: float = 600.0
+    """Give up (an error) when an iteration's rollout jobs are not all done after this long (no live worker)."""
+    startup_timeout_s: float = 120.0
+    """Wait up to this long at start-up for the workers to load the model; later ones join when ready."""
+    imds_endpoint: str = ""
+    """Instance-metadata endpoint spot workers poll for interruption notices (AWS: http://169.254.169.254); empty: none, except a trace replay's fake ones."""
+    trace: str = ""
+    """Replay this spot trace on the local cluster while training (any format of `spot.traces`): its spot nodes are added and killed on the trace's clock."""
+    trace_nodes: int = 3
+    """Peak spot nodes the trace is rescaled to."""
+    trace_window_s: float = 2400.0
+    """Stretch of the trace to replay, in trace seconds."""
+    trace_start_s: float = -1.0
+    """Start of the stretch in trace seconds; -1 = the stretch with the most preemptions."""
+    trace_compress: float = 40.0
+    """Trace seconds per wall-clock second."""
+    trace_notice_s: float = 0.0
+    """Warn each preemption this many trace seconds ahead through a fake metadata endpoint per node (AWS gives 120); 0 = no notice."""
+    trace_loop: bool = True
+    """Replay the stretch again when it ends (the run outlasts it)."""
 
     def validate(self) -> None:
-        if self.on_demand_usd_per_gpu_hour < 0:
-            raise ValueError(f"cost.on_demand_usd_per_gpu_hour must be >= 0, got {self.on_demand_usd_per_gpu_hour}")
-        if not 0 <= self.spot_discount < 1:
-            raise ValueError(f"cost.spot_discount must be in [0, 1), got {self.spot_discount}")
-        if self.trainer_gpus < 1 or self.gpus_per_instance < 1:
-            raise ValueError(f"cost.trainer_gpus and cost.gpus_per_instance must be >= 1, got {self.trainer_gpus}, {self.gpus_per_instance}")
-        if self.refresh_minutes <= 0:
-            raise ValueError(f"cost.refresh_minutes must be > 0, got {self.refresh_minutes}")
-        if self.spot_price == "history" and not (self.instance_type and self.region):
-            raise ValueError("cost.spot_price=history needs cost.instance_type and cost.region")
+        for name in ("worker_threads", "commit_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"runtime.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("spot_nodes", "on_demand_workers", "job_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"runtime.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lease_timeout_s", "rollout_timeout_s", "trace_window_s", "trace_compress"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"runtime.{name} must be > 0, got {getattr(self, name)}")
+        if self.trace and self.ray_address:
+            raise ValueError("runtime.trace replays a trace on a local cluster; it cannot drive runtime.ray_address's cluster")
+        if self.trace and self.trace_nodes < 1:
+            raise ValueError(f"runtime.trace_nodes must be >= 1, got {self.trace_nodes}")
+        if self.trace_notice_s < 0:
+            raise ValueError(f"runtime.trace_notice_s must be >= 0, got {self.trace_notice_s}")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallelism of the runtime's rollout and exploration workers."""
+
+    sp_degree: int = 1
+    """Sequence-parallel degree: workers form groups of this many (Ulysses attention over the image tokens; it must divide the attention heads), which re-form from the state on the nodes after a preemption (runtime.rollouts=cluster and exploration)."""
+
+    def validate(self) -> None:
+        if self.sp_degree < 1:
+            raise ValueError(f"parallel.sp_degree must be >= 1, got {self.sp_degree}")
 
 
 @dataclass
@@ -331,10 +354,16 @@ class DiTRecipe:
     """Evaluation."""
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     """Seed exploration."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Where rollouts and exploration run."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Sequence parallelism of the runtime's workers."""
     cost: CostConfig = field(default_factory=CostConfig)
     """GPU cost ledger."""
 
     def validate(self) -> None:
+        self.runtime.validate()
+        self.parallel.validate()
         if self.train.group_size < 2:
             raise ValueError(f"train.group_size must be >= 2 for GRPO, got {self.train.group_size}")
         if self.explore.max_candidates and self.explore.max_candidates <= self.train.group_size:

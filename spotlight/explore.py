@@ -43,7 +43,7 @@ timed it is half the same iteration's rollout time (a guess on the short side: a
 DiffusionNFT update can cost less than the rollout, and the first rollout also pays warm-up;
 explore/update_guessed = 1 says so). The throughput is a running mean of what explorers report
 (candidates over busy seconds); before the first report it is guessed as the trainer's
-rollout+reward throughput per torch thread times explorer_threads, halved
+rollout+reward throughput per torch thread times runtime.worker_threads, halved
 (explore/throughput_guessed = 1). Each job also carries a time limit, the predicted step time: an
 explorer starts no batch after it and returns what it has.
 
@@ -69,7 +69,8 @@ Checkpoints carry the planner state and the running means (`state_dict`). Explor
 a crash is lost, so the first iteration after a resume trains on default seeds; in mode none
 nothing changes and a resumed run repeats the uninterrupted one exactly.
 
-This module holds no Ray: the pool it drives (`explorer_actor.RayExplorerPool`) is the Ray edge.
+This module holds no Ray: the pool it drives (`spot_runtime.RuntimeExplorers`: exploration jobs on
+the spot runtime's workers) is the Ray edge.
 """
 
 from __future__ import annotations
@@ -379,16 +380,17 @@ def selection_metrics(outcomes: Sequence[SlotOutcome], group_size: int) -> dict[
 
 
 class ExplorerPool(Protocol):
-    """What `Exploration` needs from the explorers (`explorer_actor.RayExplorerPool` is the Ray one)."""
+    """What `Exploration` needs from the explorers (`spot_runtime.RuntimeExplorers` runs them as jobs
+    on the spot runtime's workers). A handle stands for one submitted job."""
 
     deaths: int
     respawns: int
 
     def wait_ready(self, timeout_s: float) -> int: ...
     def maintain(self) -> None: ...
-    def live(self) -> list[int]: ...
-    def publish(self, version: int, state: dict[str, torch.Tensor]) -> None: ...
-    def submit(self, explorer: int, job: ExploreJob) -> Any: ...
+    def capacity(self) -> int: ...
+    def publish(self, version: int, weights: WeightsSource) -> None: ...
+    def submit(self, job: ExploreJob) -> Any: ...
     def poll(self, handles: Sequence[Any], timeout_s: float | None) -> list[tuple[Any, ExploreResult | None, str | None]]: ...
     def cancel(self, handles: Sequence[Any]) -> None: ...
     def close(self) -> None: ...
@@ -561,7 +563,7 @@ class Exploration:
         self._rollout_s = rollout_s
         # The throughput guess before any explorer reported (module docstring).
         trainer_rate = num_samples / max(rollout_s, 1e-9)
-        self._guess_samples_per_s = 0.5 * trainer_rate * self.ecfg.explorer_threads / torch.get_num_threads()
+        self._guess_samples_per_s = 0.5 * trainer_rate * self.cfg.runtime.worker_threads / torch.get_num_threads()
         if publishes_before_update(self.ecfg.mode, next_batch is not None, self.ecfg.window, iteration):
             next_prompts, _, next_steps = next_batch
             self._window = self._open_window(iteration + 1, iteration, weights, next_prompts[::G], next_steps, time_limit=True)
@@ -588,7 +590,7 @@ class Exploration:
         deaths = self.pool.deaths
         m = {
             **self._metrics,
-            "explore/num_explorers": len(self.pool.live()),
+            "explore/num_explorers": self.pool.capacity(),
             "explore/explorer_deaths": deaths - self._deaths_seen,
             "explore/explorer_respawns_total": self.pool.respawns,
             "time/explore_s": self._critical_s,
@@ -604,9 +606,9 @@ class Exploration:
     ) -> _Window | None:
         """Plan batch `iteration` within the budget and submit it with weights `version`."""
         self.pool.maintain()
-        live = self.pool.live()
+        live = self.pool.capacity()
         budget = self.budget_model.budget(
-            len(live), self.ecfg.budget_fraction, rollout_s=self._rollout_s, guess_samples_per_s=self._guess_samples_per_s
+            live, self.ecfg.budget_fraction, rollout_s=self._rollout_s, guess_samples_per_s=self._guess_samples_per_s
         )
         ids = planner_ids(prompts_P)
         counts_P = [0] * len(prompts_P)
@@ -614,8 +616,8 @@ class Exploration:
         # Probe (module docstring): a stale window the measured throughput, not the budget
         # setting, leaves without a plan sends the smallest one; nothing waits for it.
         probe = (
-            time_limit and bool(live) and plan_samples <= self.group_size
-            and exploration_budget(budget.update_s, self._guess_samples_per_s, len(live), self.ecfg.budget_fraction) > self.group_size
+            time_limit and live > 0 and plan_samples <= self.group_size
+            and exploration_budget(budget.update_s, self._guess_samples_per_s, live, self.ecfg.budget_fraction) > self.group_size
         )  # fmt: skip
         if probe:
             plan_samples = self.group_size + 1
@@ -627,13 +629,13 @@ class Exploration:
             counts_P = [alloc[i] for i in ids]
         jobs = split_jobs(
             iteration, version, prompts_P, counts_P,
-            run_seed=self.cfg.train.seed, sde_steps=sde_steps, num_jobs=len(live),
+            run_seed=self.cfg.train.seed, sde_steps=sde_steps, num_jobs=live,
             time_limit_s=budget.update_s if time_limit else None,
         )  # fmt: skip
         handles = []
         if jobs:
-            self.pool.publish(version, weights())
-            handles = [self.pool.submit(live[j], job) for j, job in enumerate(jobs)]
+            self.pool.publish(version, weights)
+            handles = [self.pool.submit(job) for job in jobs]
         window = _Window(iteration, version, ids, counts_P, budget, jobs, handles, time.monotonic(), probe=probe)
         if not jobs:
             self._collected[iteration] = window
@@ -743,16 +745,11 @@ class Exploration:
             f.write(json.dumps(row) + "\n")
 
 
-def start_exploration(cfg: DiTRecipe, run_dir: str | Path) -> Exploration | None:
-    """The exploration of a recipe: None for mode "none" (Ray is not imported), else Ray explorers.
-
-    Starts (or joins, `explore.ray_address`) the Ray cluster and the explorer actors, which begin
-    loading the model at once; call `wait_ready` once the trainer is set up, and `close` at the end.
-    """
+def start_exploration(cfg: DiTRecipe, run_dir: str | Path, pool: ExplorerPool | None) -> Exploration | None:
+    """The exploration of a recipe on `pool` (the spot runtime's explorers): None for mode "none"."""
     if cfg.explore.mode == "none":
         return None
     cfg.explore.validate()
     cfg.validate()
-    from spotlight.explorer_actor import start_ray_pool
-
-    return Exploration(cfg, start_ray_pool(cfg), log_path=Path(run_dir) / LOG_FILE)
+    assert pool is not None, "exploration needs the runtime's workers"
+    return Exploration(cfg, pool, log_path=Path(run_dir) / LOG_FILE)

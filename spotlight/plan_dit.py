@@ -335,7 +335,7 @@ def _dit_notes(plan: Plan, cfg, m: DiTModel, rewards: list[RewardModel], base: L
     for sp in [d for d in (2, 4, 8) if m.heads % d == 0]:
         ex = dit_roles(cfg, m, rewards, replace(base, sp=sp), txt_tokens)[0][2]
         if ex.total <= usable:
-            return out + [f"explorer: SP degree {sp} (spot/sp_worker.py groups) brings its working set under the limit: {_gib(ex.total)}"]
+            return out + [f"explorer: SP degree {sp} (parallel.sp_degree: spot/worker.py groups) brings its working set under the limit: {_gib(ex.total)}"]
     for batch in range(cfg.explore.batch_size - 1, 0, -1):
         smaller = replace(cfg, explore=replace(cfg.explore, batch_size=batch))
         ex = dit_roles(smaller, m, rewards, base, txt_tokens)[0][2]

@@ -8,6 +8,10 @@ With seed exploration (`explore.mode` inline or stale, see `explore.py`) the see
 instead be chosen among explored candidates, which extend the default seeds of plan_iteration;
 in stale mode the next batch is explored with the current weights while the trainer updates.
 
+With `runtime.rollouts=cluster` the rollout runs as jobs on the spot runtime's pull queue, served by
+workers on the cluster's on-demand and spot nodes through preemptions (`spot_runtime.py`); it gives
+the bits the local rollout gives, so the run is the same run. Exploration always runs there.
+
 Data parallel (`accelerate launch` or `torchrun`, see `distributed.py`): the global batch and its
 seeds are the one-process ones; each rank rolls out a contiguous slice of the P * G samples, the
 rewards are all-gathered before the group advantages, gradients are summed over ranks in the
@@ -46,6 +50,7 @@ from spotlight.evaluate import evaluate
 from spotlight.explore import (
     Exploration, opens_before_rollout, publishes_before_rollout, publishes_before_update, start_exploration,
 )  # fmt: skip
+from spotlight.spot_runtime import SpotRuntime, runtime_wanted, start_runtime
 from spotlight.grpo import group_advantages
 from spotlight.mirror import CheckpointMirror
 from spotlight.optim import run_cooldown_scale
@@ -85,7 +90,13 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
     run_dir = Path(run_dir)
     # One process unless launched by accelerate/torchrun; then only rank 0 writes and explores.
     dp = init_data_parallel()
-    mirror, ledger, exploration = None, None, None
+    mirror, ledger, exploration, rt = None, None, None, None
+    if cfg.runtime.rollouts == "cluster" and dp.world_size > 1:
+        dp.close()
+        raise ValueError(
+            "runtime.rollouts=cluster runs with one trainer process (its rank would wait for the others' rollouts); "
+            "launch one process, or keep runtime.rollouts=local under accelerate/torchrun"
+        )
     try:
         if dp.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -97,12 +108,17 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
             # The cost clock starts before anything loads: a node is paid for while it loads the model too.
             # A launch of N processes holds at least N GPUs: charge those when the recipe says fewer.
             ledger = CostLedger(run_dir, replace(cfg.cost, trainer_gpus=max(cfg.cost.trainer_gpus, dp.world_size)), resume=resume)
-            # Explorers (Ray actors, none in mode "none") load the model while the trainer does.
-            exploration = start_exploration(cfg, run_dir)
-        return _train(cfg, run_dir, dp, exploration, ledger, mirror, resume=resume, progress=progress and dp.is_main)
+            # The runtime's workers (none without cluster rollouts or exploration: Ray is then never
+            # imported) load the model while the trainer does.
+            cfg.validate()
+            rt = start_runtime(cfg, run_dir) if runtime_wanted(cfg) else None
+            exploration = start_exploration(cfg, run_dir, rt.explorers() if rt is not None else None)
+        return _train(cfg, run_dir, dp, exploration, rt, ledger, mirror, resume=resume, progress=progress and dp.is_main)
     finally:
         if exploration is not None:
             exploration.close()
+        if rt is not None:
+            rt.close()
         dp.close()
 
 
@@ -111,13 +127,14 @@ def _train(
     run_dir: Path,
     dp: DataParallel,
     exploration: Exploration | None,
+    rt: SpotRuntime | None,
     ledger: CostLedger | None,
     mirror: CheckpointMirror | None,
     *,
     resume: bool,
     progress: bool,
 ) -> dict:
-    """The iteration loop; on ranks other than 0, exploration, ledger and mirror are None."""
+    """The iteration loop; on ranks other than 0, exploration, runtime, ledger and mirror are None."""
     console = Console(quiet=not progress)
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
@@ -161,8 +178,13 @@ def _train(
         console.print(f"resuming from {ckpt.path} (iteration {start_iter})")
     if exploration is not None:
         exploration.truncate_log(start_iter)
-        num_ready = exploration.wait_ready(cfg.explore.startup_timeout_s)
-        console.print(f"explore.mode={cfg.explore.mode}: {num_ready} explorer(s) ready")
+    if rt is not None:
+        ready = exploration.wait_ready(cfg.runtime.startup_timeout_s) if exploration is not None else None
+        workers = rt.wait_ready(cfg.runtime.startup_timeout_s)
+        console.print(
+            f"runtime: rollouts {cfg.runtime.rollouts}, {workers['spot']} spot and {workers['on_demand']} on-demand "
+            f"worker(s) ready" + (f"; explore.mode={cfg.explore.mode}: {ready} spot group(s) explore" if ready is not None else "")
+        )
 
     def checkpoint(step: int, metrics: dict, weights: dict, optimizer_state: dict, ema: dict | None) -> Path:
         step_dir = save_checkpoint(
@@ -185,7 +207,7 @@ def _train(
     def charge_cost() -> None:
         # Spot GPUs held (not only busy): what the spot nodes of the cluster cost right now.
         if ledger is not None:
-            ledger.charge(spot_gpus=spot_gpus_held() if exploration is not None else 0)
+            ledger.charge(spot_gpus=spot_gpus_held() if rt is not None else 0)
 
     def explore_weights(needed: bool) -> LocalWeightsSource | ShardedWeightsSource:
         """The current trainable weights for the explorers, as `Exploration` takes them. Call its
@@ -215,6 +237,8 @@ def _train(
     tracking = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) if dp.is_main else nullcontext()
     with tracking as tracker, Progress(*columns, console=console) as bar:
         task = bar.add_task("", total=cfg.train.num_iterations, completed=start_iter)
+        if rt is not None:
+            rt.start_trace()  # a replayed trace's clock runs from the first iteration on
         for it in range(start_iter, cfg.train.num_iterations):
             budget.starts()
             t0 = time.monotonic()
@@ -236,17 +260,21 @@ def _train(
             # The step's prompts are encoded once here and held until the update is done: the
             # rollout and the update (all G samples, every minibatch) read them (prompt_cache.py).
             policy.prompt_cache.begin_step(prompts[lo:hi])
-            ro = rollout(
-                policy, dp.padded_shard(prompts), dp.padded_shard(seeds),
-                sigmas,
-                noise_level=cfg.sample.noise_level,
-                sde_steps=sde_steps,
-                sde_type=cfg.sample.sde_type,
-                guidance_scale=cfg.sample.guidance_scale,
-                negative_prompt=cfg.sample.negative_prompt,
-                batch_size=cfg.sample.batch_size,
-                autocast=autocast,
-            )  # fmt: skip
+            if cfg.runtime.rollouts == "cluster":
+                # Jobs on the pull queue, weights version it (θ_k); the same bits as the local rollout.
+                ro = rt.rollout(it, LocalWeightsSource(policy), prompts, seeds, sde_steps, sigmas)
+            else:
+                ro = rollout(
+                    policy, dp.padded_shard(prompts), dp.padded_shard(seeds),
+                    sigmas,
+                    noise_level=cfg.sample.noise_level,
+                    sde_steps=sde_steps,
+                    sde_type=cfg.sample.sde_type,
+                    guidance_scale=cfg.sample.guidance_scale,
+                    negative_prompt=cfg.sample.negative_prompt,
+                    batch_size=cfg.sample.batch_size,
+                    autocast=autocast,
+                )  # fmt: skip
             if num_pad:
                 ro = _first(ro, hi - lo)
             t1 = time.monotonic()
@@ -290,6 +318,7 @@ def _train(
                 **encoder.metrics(),
                 **({"grpo/lr_scale": trainer.lr_scale} if cooling else {}),
                 **(exploration.metrics() if exploration is not None else {}),
+                **(rt.metrics() if rt is not None else {}),
                 # Weights copied (gathered, under FSDP) for the explorers: only for a window with candidates.
                 **({"explore/weights_copies": early_weights.copies + stale_weights.copies} if exploration is not None else {}),
                 "time/iteration_s": time.monotonic() - t0,
@@ -328,7 +357,7 @@ def _train(
                         ema = ema and {k: v.detach().clone() for k, v in ema.items()}  # not the live tensors
                 if dp.is_main:
                     last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith(("time/", "cost/"))}, *state, ema)
-            bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
+            bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}" + (f" · {rt.describe()}" if rt is not None else ""))
             if out_of_time:
                 console.print(f"train.max_minutes={cfg.train.max_minutes}: iteration {step + 1} would not end in time; stopping after {step}")
                 break

@@ -45,7 +45,7 @@ def tiny_policy(tiny_model_dir):
 @pytest.fixture(scope="module")
 def ray_address():
     """A local Ray cluster (head + 2 spot nodes, 127.0.0.1) for a module's explorer tests."""
-    from spotlight.explorer_actor import LocalCluster
+    from spot.cluster import LocalCluster
 
     cluster = LocalCluster(2)
     yield cluster.address

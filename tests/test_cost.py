@@ -19,6 +19,7 @@ from botocore.stub import Stubber
 
 from spot.cost import (
     COST_FILE,
+    CostConfig,
     CostLedger,
     SpotPriceRecord,
     cost_usd,
@@ -28,7 +29,6 @@ from spot.cost import (
 )
 from s3_server import SECRETS, fake_aws_environment
 from spotlight.cli import main
-from spotlight.config import CostConfig
 
 FIXTURE = Path(__file__).parent / "data" / "spot_price_history_p5.4xlarge_us-east-1.json"
 
@@ -291,7 +291,8 @@ def test_spot_gpus_held_are_charged_while_exploring(tiny_model_dir, tmp_path):
         "train": {"num_iterations": 2, "prompts_per_iteration": 2, "group_size": 2, "minibatch_size": 4, "max_minutes": 0},
         "log": {"checkpoint_every": 2, "images_every": 0, "wandb_mode": "disabled"},
         "data": {"num_heldout": 8},
-        "explore": {"mode": "stale", "num_spot_nodes": 2, "max_candidates": 4},
+        "explore": {"mode": "stale", "max_candidates": 4},
+        "runtime": {"spot_nodes": 2},
         "cost": {"on_demand_usd_per_gpu_hour": 3.6, "spot_discount": 0.5},
     })  # fmt: skip
     run_training(cfg, tmp_path, progress=False)

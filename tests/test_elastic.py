@@ -1,15 +1,16 @@
-"""Elastic sequence parallelism: persistent SP workers on a real local Ray cluster, against one process.
+"""Elastic sequence parallelism: the runtime's workers in SP groups on a real local Ray cluster,
+against one process.
 
 Pure tests check the group plan and the weights' packing, checksum and store round trip. The Ray
-tests start one cluster (an on-demand head and one spot node on 127.0.0.1) and four `SPWorker`s
-with a tiny real model of 4 heads whose 24x40 image has 15 tokens (padded at degrees 2 and 4) and
-whose prompts are padded to 16 tokens. Every image is compared with the same (prompt, seed) sampled
-in this process by the stock transformer: degrees 4, 2 and 1 on the same four processes; a group of
-4 whose rank 0 gets SIGKILL mid-trajectory, its survivors re-formed in place (degrees 2 and 1) and
-the job resumed from its last commit; a newcomer that copies its weights from a sibling and grows
-the pool back to one group of 4; a notice to one member, which commits and hands the job back with
-no step lost. A sibling copy of the wrong version is refused. The tests share the pool and run in
-file order (the kill leaves 3 workers, the newcomer makes 4 again).
+tests start one cluster (an on-demand head and one spot node with 4 slots on 127.0.0.1) and a
+`WorkerPool` of four DiT runners with a tiny real model of 4 heads whose 24x40 image has 15 tokens
+(padded at degrees 2 and 4) and whose prompts are padded to 16 tokens. Every image is compared with
+the same (prompt, seed) sampled in this process by the stock transformer: degrees 4, 2 and 1 on the
+same four processes; a group of 4 whose rank 0 gets SIGKILL mid-trajectory, its survivors re-formed
+in place (degrees 2 and 1) and the job resumed from its last commit; a replacement that joins and
+the fragments merge back into one group of 4; a notice to one member, which commits and hands the
+job back with no step lost. A sibling copy of the wrong version is refused. The tests share the pool
+and run in file order (the kill leaves 3 workers, the replacement makes 4 again).
 """
 
 from __future__ import annotations
@@ -22,26 +23,21 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import logging
 import signal
 import time
+from functools import partial
 
 import pytest
 import torch
 
-from spot.elastic import ElasticPool, ElasticScheduler, plan_groups
 from spot.jobqueue import Job
-from spot.scheduler import DenoiseSpec, sample_uninterrupted
-from spot.sp_worker import (
-    WeightsMismatchError,
-    fetch_weights,
-    pack_state,
-    publish_weights,
-    state_checksum,
-    unpack_state,
-)
-from spot.store import IncompleteError, open_store
+from spot.pool import WorkerPool, plan_groups
+from spot.runtime import Runtime
+from spot.store import open_store
+from spot.store_base import IncompleteError
+from spot.weights import WeightsMismatchError, fetch_weights, pack_state, publish_weights, state_checksum, unpack_state
 
 TOL = 1e-5
+"""Ulysses splits each forward's tokens over the ranks: the sums come out in another order."""
 NUM_STEPS, COMMIT_EVERY = 8, 3
-SPEC = DenoiseSpec(num_steps=NUM_STEPS, noise_level=0.7)
 PROMPTS = ["a red circle", "two blue squares on the left"]
 
 
@@ -57,6 +53,7 @@ def test_plan_groups_takes_the_largest_degree_that_divides_the_heads():
     # Workers are taken node by node, so a pair stays on one node when it can.
     mixed = [("w0", "b"), ("w1", "a"), ("w2", "b"), ("w3", "a")]
     assert plan_groups(mixed, 2, 4) == [["w1", "w3"], ["w0", "w2"]]
+    assert plan_groups(four, 4, None) == [["w0"], ["w1"], ["w2"], ["w3"]]  # a runner without SP steps
     with pytest.raises(ValueError, match="max_degree"):
         plan_groups(four, 0, 4)
 
@@ -91,33 +88,39 @@ def test_store_weights_round_trip(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def model_cfg(tmp_path_factory):
+def cfg(tmp_path_factory):
     """A tiny real model with 4 heads; 24x40 pixels -> 3x5 = 15 image tokens; prompts padded to 16."""
-    from spotlight.config import ModelConfig, TinyModelConfig
+    from spotlight.config import DiTRecipe, TinyModelConfig
+    from spotlight.config_io import from_dict
     from spotlight.rewards.shapes import all_prompts
     from spotlight.tiny import build_tiny_model
 
     spec = TinyModelConfig(codec_factor=4, num_layers=1, num_heads=4, head_dim=16, text_hidden=32)
     folder = build_tiny_model(tmp_path_factory.mktemp("tiny4") / "model", spec, all_prompts() + PROMPTS)
-    return ModelConfig(path=str(folder), height=24, width=40, max_text_tokens=16)
+    data = {
+        "model": {"path": str(folder), "height": 24, "width": 40, "max_text_tokens": 16},
+        "sample": {"num_steps": NUM_STEPS, "noise_level": 0.7, "autocast": "none"},
+        "train": {"objective": "flow_grpo"},
+    }  # fmt: skip
+    return from_dict(DiTRecipe, data)
 
 
 @pytest.fixture(scope="module")
-def policy(model_cfg):
+def policy(cfg):
     from spotlight.policy import load_policy
 
-    return load_policy(model_cfg, trainable=False)
+    return load_policy(cfg.model, trainable=False)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     import ray
 
-    from spot.replay import ReplayCluster
+    from spot.cluster import LocalCluster
 
-    c = ReplayCluster(node_cpus=6)
+    c = LocalCluster(node_cpus=6)
     try:
-        c.add_node("spot-a")
+        c.add_node("spot-a", slots=4)
         ray.init(address=c.address, logging_level=logging.WARNING, log_to_driver=False)
         yield c
     finally:
@@ -125,17 +128,19 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def pool(cluster, model_cfg, policy, tmp_path_factory):
+def pool(cluster, cfg, policy, tmp_path_factory):
+    from spotlight.jobs import DiTRunner
     from spotlight.policy import trainable_state
 
     store_dir = tmp_path_factory.mktemp("weights-store")
     publish_weights(open_store(store_dir), 0, trainable_state(policy))
-    p = ElasticPool(
-        model_cfg, SPEC, store_url=str(store_dir),
+    p = WorkerPool(
+        partial(DiTRunner, cfg), sp_degree=4,
         worker_kwargs={"commit_every": COMMIT_EVERY, "step_s": 0.05, "poll_s": 0.01},
     )  # fmt: skip
     try:
-        how = p.add_workers(4, 0, node_id=cluster.node_id("spot-a"))
+        p.wait_ready(4, timeout_s=120)  # one per slot of the node
+        how = p.load_weights(p.alive(), 0, store_url=str(store_dir))
         # One fetched from the store (no sibling had version 0 yet), the others copied from it.
         assert sorted(h["source"] for h in how.values()) == ["sibling", "sibling", "sibling", "store"]
         # A sibling copy maps the object store's shared memory (read-only arrays), it does not copy it.
@@ -146,26 +151,41 @@ def pool(cluster, model_cfg, policy, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(policy):
-    """Uninterrupted single-process final latents by (prompt, seed), single-threaded like the workers."""
+def reference(cfg, policy):
+    """Uninterrupted single-process final latents by (prompt, seed), from the trainer's own rollout."""
+    from spotlight.rollout import rollout
+    from spotlight.sampling import qwen_image_sigmas
+
+    sigmas = qwen_image_sigmas(NUM_STEPS, policy.latent_shape[0])
     cache: dict = {}
 
     def get(job: Job) -> torch.Tensor:
-        key = (job.prompt, job.seed)
+        key = (job.payload.prompts[0], job.payload.seeds[0])
         if key not in cache:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                cache[key] = sample_uninterrupted(policy, job, SPEC)
-            finally:
-                torch.set_num_threads(threads)
+            ro = rollout(policy, [key[0]], [key[1]], sigmas, noise_level=0.7, sde_steps=list(range(NUM_STEPS)))
+            cache[key] = ro.trajectory.final[0]
         return cache[key]
 
     return get
 
 
 def make_jobs(n: int, first_id: int) -> list[Job]:
-    return [Job(i, PROMPTS[i % len(PROMPTS)], seed=500 + i) for i in range(first_id, first_id + n)]
+    from spotlight.jobs import RolloutJob
+
+    return [
+        Job(i, RolloutJob([PROMPTS[i % len(PROMPTS)]], [500 + i], list(range(NUM_STEPS)), [NUM_STEPS]), num_steps=NUM_STEPS)
+        for i in range(first_id, first_id + n)
+    ]
+
+
+def start(pool, policy, degree: int, **kwargs) -> Runtime:
+    """A fresh runtime on the pool at SP degree `degree`, with the model's weights as version 0."""
+    from spotlight.policy import trainable_state
+
+    pool.sp_degree = degree
+    rt = Runtime(pool, tick_s=0.01, **kwargs)
+    rt.publish(0, trainable_state(policy))
+    return rt
 
 
 def check_results(report, jobs, reference) -> None:
@@ -173,7 +193,7 @@ def check_results(report, jobs, reference) -> None:
     assert sorted(r.job_id for r in report.results) == [j.job_id for j in jobs]
     by_id = {j.job_id: j for j in jobs}
     for r in report.results:
-        err = (r.latent_LC - reference(by_id[r.job_id])).abs().max().item()
+        err = (r.output.latents[-1][0] - reference(by_id[r.job_id])).abs().max().item()
         assert err <= TOL, f"job {r.job_id}: {err} off the single-process run"
 
 
@@ -181,20 +201,20 @@ def degrees_of(pool, report) -> set[int]:
     return {pool.groups[o.group_id].degree for o in report.outcomes}
 
 
-def test_sp_groups_match_one_process_at_degrees_4_2_1_without_restarts(pool, reference):
+def test_sp_groups_match_one_process_at_degrees_4_2_1_without_restarts(pool, policy, reference):
     pids = {w: pool.pid(w) for w in pool.alive()}
     for degree, first_id in ((4, 0), (2, 10), (1, 20)):
-        sched = ElasticScheduler(pool, degree=degree)
+        rt = start(pool, policy, degree)
         jobs = make_jobs(2, first_id)
-        sched.submit(jobs)
-        sched.run(timeout_s=60)
-        report = sched.close()
+        rt.submit(jobs)
+        rt.run(timeout_s=60)
+        report = rt.close()
         check_results(report, jobs, reference)
         assert degrees_of(pool, report) == {degree}
         assert {r.worker_id for r in report.results} <= {o.group_id for o in report.outcomes}
     # Re-forming 4 -> 2 -> 1 changed no process.
     assert {w: pool.pid(w) for w in pool.alive()} == pids
-    assert [a for a in pool.events if a[2] == "dead"] == []
+    assert [e for e in pool.events if e[2] == "died"] == []
 
 
 def test_a_sibling_copy_of_another_version_is_refused(pool):
@@ -209,26 +229,27 @@ def test_a_sibling_copy_of_another_version_is_refused(pool):
     assert pool.sibling(pool.node_of(a), 0, exclude=b) is not None
 
 
-def test_a_member_killed_mid_trajectory_leaves_the_job_finishing_with_the_same_image(pool, reference):
+def test_a_member_killed_mid_trajectory_leaves_the_job_finishing_with_the_same_image(pool, policy, reference):
     import ray
 
     assert len(pool.alive()) == 4
+    pool.respawn_delay_s = 1e9  # no replacement in its slot during this test (the next one adds it)
     pids = {w: pool.pid(w) for w in pool.alive()}
-    sched = ElasticScheduler(pool, degree=4)
+    rt = start(pool, policy, 4)
     jobs = make_jobs(1, 30)
-    sched.submit(jobs)
+    rt.submit(jobs)
     deadline = time.monotonic() + 60
     while True:  # until the group holds the job past a commit
         assert time.monotonic() < deadline, "the job never got past a commit"
-        sched.tick(0.01)
-        leases = ray.get(sched.queue.snapshot.remote())["leases"]
+        rt.tick()
+        leases = ray.get(rt.queue.snapshot.remote())["leases"]
         if leases and leases[0][3] >= COMMIT_EVERY and leases[0][4] > leases[0][3]:
             break
     (group,) = pool.running()
     victim = group.members[0]  # rank 0: the member that holds the lease and commits
     os.kill(pool.pid(victim), signal.SIGKILL)
-    sched.run(timeout_s=60)
-    report = sched.close()
+    rt.run(timeout_s=60)
+    report = rt.close()
     check_results(report, jobs, reference)
     broken = [o for o in report.outcomes if o.group_id == group.group_id]
     assert broken and broken[0].dead == [victim] and broken[0].broken
@@ -244,43 +265,54 @@ def test_a_member_killed_mid_trajectory_leaves_the_job_finishing_with_the_same_i
     assert all(g.generation > group.generation for g in later)
 
 
-def test_a_newcomer_copies_from_a_sibling_and_the_pool_regroups_to_degree_4(cluster, pool, reference):
-    alive = pool.alive()
-    pids = {w: pool.pid(w) for w in alive}
-    sched = ElasticScheduler(pool, degree=4)
-    sched.tick()  # groups of the workers there now (3 after the kill: degrees 2 and 1)
-    how = pool.add_workers(max(1, 4 - len(alive)), 0, node_id=cluster.node_id("spot-a"))
-    assert {h["source"] for h in how.values()} == {"sibling"}
-    sched.regroup()  # merges the fragments and the newcomer, without a restart
-    (newcomer,) = how
-    grown = [g for g in pool.running() if newcomer in g.members]
-    assert grown and grown[0].degree == 4
+def test_a_replacement_joins_and_the_fragments_merge_back_into_degree_4(pool, policy, reference):
+    """The slot freed by the kill gets a new worker; the survivors run as degrees 2 and 1 meanwhile,
+    then merge with it into one group of 4 (no restart); its weights come through the queue."""
+    survivors = pool.alive()
+    pids = {w: pool.pid(w) for w in survivors}
+    pool.respawn_delay_s = 0.0
+    rt = start(pool, policy, 4)
+    deadline = time.monotonic() + 120
+    fragments = set()
+    while True:
+        assert time.monotonic() < deadline, f"no group of 4 with the newcomer: {[g.members for g in pool.running()]}"
+        rt.tick()
+        fragments |= {g.degree for g in pool.running() if set(g.members) <= set(survivors)}
+        grown = [g for g in pool.running() if g.degree == 4]
+        if grown:
+            break
+        time.sleep(0.02)
+    assert fragments == {1, 2}  # the survivors served as degrees 2 and 1 before the newcomer was ready
+    (newcomer,) = set(grown[0].members) - set(survivors)
     jobs = make_jobs(2, 40)
-    sched.submit(jobs)
-    sched.run(timeout_s=60)
-    check_results(sched.close(), jobs, reference)
-    assert {w: pool.pid(w) for w in alive} == pids
+    rt.submit(jobs)
+    rt.run(timeout_s=60)
+    report = rt.close()
+    check_results(report, jobs, reference)
+    assert {w: pool.pid(w) for w in survivors} == pids
+    assert pool.workers[newcomer].version == 0 or report.stats.weight_updates >= 1
 
 
-def test_a_notice_hands_the_job_back_with_nothing_lost_and_retires_the_member(pool, reference):
+def test_a_notice_hands_the_job_back_with_nothing_lost_and_retires_the_member(pool, policy, reference):
     import ray
 
     assert len(pool.alive()) == 4
-    sched = ElasticScheduler(pool, degree=4)
+    pool.respawn_delay_s = 1e9
+    rt = start(pool, policy, 4)
     jobs = make_jobs(1, 50)
-    sched.submit(jobs)
+    rt.submit(jobs)
     deadline = time.monotonic() + 60
     while True:  # until the group is two steps into the job
         assert time.monotonic() < deadline, "the job never started"
-        sched.tick(0.01)
-        leases = ray.get(sched.queue.snapshot.remote())["leases"]
+        rt.tick()
+        leases = ray.get(rt.queue.snapshot.remote())["leases"]
         if leases and leases[0][4] >= 2:
             break
     (group,) = pool.running()
     leaving = group.members[2]
     pool.notify(group.group_id, leaving=[leaving])  # e.g. its node's two-minute interruption notice
-    sched.run(timeout_s=60)
-    report = sched.close()
+    rt.run(timeout_s=60)
+    report = rt.close()
     check_results(report, jobs, reference)
     s = report.stats
     assert s.released == 1 and s.revoked == 0 and s.recomputed_steps == 0

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -108,16 +109,16 @@ def test_budget_is_step_time_times_throughput_with_flagged_guesses():
 
 
 def test_a_local_cluster_that_oversubscribes_the_cpus_is_named(caplog):
-    from spotlight.explorer_actor import warn_if_cpus_oversubscribed
+    from spotlight.spot_runtime import warn_if_cpus_oversubscribed
 
     cfg = DiTRecipe()
     cfg.train.num_threads = 2
-    cfg.explore.num_spot_nodes = 2
+    cfg.runtime.spot_nodes = 2
     with caplog.at_level("WARNING"):
         msg = warn_if_cpus_oversubscribed(cfg, num_cpus=2)
     assert msg is not None and msg in caplog.text
-    assert "2 torch thread(s)" in msg and "2 explorer(s)" in msg and "train.num_threads=1 explore.num_spot_nodes=1" in msg
-    cfg.train.num_threads, cfg.explore.num_spot_nodes = 1, 1
+    assert "2 torch thread(s)" in msg and "2 spot worker(s)" in msg and "train.num_threads=1 runtime.spot_nodes=1" in msg
+    cfg.train.num_threads, cfg.runtime.spot_nodes = 1, 1
     assert warn_if_cpus_oversubscribed(cfg, num_cpus=2) is None
     assert warn_if_cpus_oversubscribed(cfg, num_cpus=1) is not None
 
@@ -195,7 +196,7 @@ def test_the_bandit_gets_the_recipes_prompt_family(planner, spec):
 # ---------------------------------------------------------------------------------------------
 
 
-def tiny_recipe(model_dir: Path, mode: str, **explore) -> DiTRecipe:
+def tiny_recipe(model_dir: Path, mode: str, ray_address: str = "", **explore) -> DiTRecipe:
     """A tiny run whose update is several times its rollout (so a window has room for candidates).
 
     The reward is JPEG compressibility: the random tiny model draws no recognisable shapes, so the
@@ -212,6 +213,7 @@ def tiny_recipe(model_dir: Path, mode: str, **explore) -> DiTRecipe:
         "log": {"wandb_mode": "disabled", "images_every": 0, "checkpoint_every": 3},
         "data": {"num_heldout": 8},
         "explore": {"mode": mode, "planner": "uniform", "max_candidates": 8, "budget_fraction": 1.0, **explore},
+        "runtime": {"ray_address": ray_address},
     }  # fmt: skip
     return from_dict(DiTRecipe, data)
 
@@ -252,7 +254,7 @@ def test_stale_mode_from_the_cli(tiny_model_dir, tmp_path):
         capture_output=True, text=True, timeout=240, cwd=REPO, env=dict(os.environ, WANDB_MODE="disabled"),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 explorer(s) ready" in proc.stdout
+    assert "2 spot group(s) explore" in proc.stdout
     rows, log = read_metrics(run_dir), read_log(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[0]["explore/prompts_selected"] == 0  # nothing was explored before the first update
@@ -273,33 +275,51 @@ def test_stale_mode_from_the_cli(tiny_model_dir, tmp_path):
     assert meta["planner"]["planner"] == "uniform" and meta["budget"]["update_s"] > 0
 
 
-def test_mode_none_matches_the_driver_before_exploration_and_never_imports_ray(tiny_model_dir, tmp_path, monkeypatch):
-    """Regression: mode none gives the metrics of the committed driver (HEAD's train.py), without Ray."""
-    source = subprocess.run(["git", "show", "HEAD:spotlight/train.py"], capture_output=True, text=True, cwd=REPO)
-    if source.returncode:
-        pytest.skip("no git history to compare with")
-    head = types.ModuleType("head_train")
-    exec(compile(source.stdout, "HEAD:spotlight/train.py", "exec"), head.__dict__)
+def test_mode_none_is_plain_grpo_and_never_imports_ray(tiny_model_dir, tmp_path, monkeypatch):
+    """Mode none with local rollouts: one iteration of the driver gives, bit for bit, the weights of
+    plain GRPO written out here from its parts (plan, rollout, reward, advantages, update), and
+    Ray is never imported."""
+    import torch
+
+    from spotlight.checkpoint import load_checkpoint
+    from spotlight.grpo import group_advantages
+    from spotlight.policy import load_policy, trainable_state
+    from spotlight.prompts import train_and_eval_prompts
+    from spotlight.rewards import build_reward
+    from spotlight.rollout import rollout
+    from spotlight.sampling import qwen_image_sigmas
     from spotlight.train import run_training
+    from spotlight.trainer import GRPOTrainer
 
     data = {
         "model": {"path": str(tiny_model_dir), "height": 32, "width": 32},
         "sample": {"num_steps": 3, "autocast": "none"},
         "reward": {"weights": {"jpeg_compressibility": 1.0}},  # varies per seed: every group trains
-        "train": {"num_iterations": 2, "prompts_per_iteration": 2, "group_size": 4, "minibatch_size": 4, "max_minutes": 0},
+        "train": {"num_iterations": 1, "prompts_per_iteration": 2, "group_size": 4, "minibatch_size": 4, "max_minutes": 0},
         "log": {"wandb_mode": "disabled", "images_every": 0},
         "data": {"num_heldout": 8},
     }  # fmt: skip
     cfg = from_dict(DiTRecipe, data)
     monkeypatch.setitem(sys.modules, "ray", None)  # any `import ray` now raises ImportError
-    run_training(cfg, tmp_path / "new", progress=False)
-    head.run_training(cfg, tmp_path / "head", progress=False)
+    run_training(cfg, tmp_path, progress=False)
+    assert not (tmp_path / LOG_FILE).exists()
 
-    def strip(rows: list[dict]) -> list[dict]:
-        return [{k: v for k, v in r.items() if not k.startswith(("time/", "cost/"))} for r in rows]
-
-    assert strip(read_metrics(tmp_path / "new")) == strip(read_metrics(tmp_path / "head"))
-    assert not (tmp_path / "new" / LOG_FILE).exists()
+    torch.manual_seed(0)
+    policy = load_policy(cfg.model, seed=cfg.train.seed)
+    trainer = GRPOTrainer(policy, cfg)
+    train_prompts, _ = train_and_eval_prompts(cfg.data, cfg.reward.weights)
+    prompts, seeds, steps = plan_iteration(cfg, train_prompts, 0)
+    sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
+    ro = rollout(policy, prompts, seeds, sigmas, noise_level=cfg.sample.noise_level, sde_steps=steps)
+    rewards = build_reward(cfg.reward.weights)(ro.images, prompts).total_B
+    adv = group_advantages(rewards.view(2, 4), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip)
+    policy.prompt_cache.begin_step(prompts)
+    trainer.update(ro, adv, 0)
+    policy.prompt_cache.end_step()
+    saved = load_checkpoint(tmp_path).tensors["trainable"]
+    mine = trainable_state(policy)
+    assert saved.keys() == mine.keys()
+    assert all(torch.equal(saved[k], mine[k]) for k in saved), "the driver's update differs from plain GRPO"
 
 
 def test_inline_waits_and_uses_fresh_weights(tiny_model_dir, ray_address, tmp_path):
@@ -320,8 +340,6 @@ def test_inline_waits_and_uses_fresh_weights(tiny_model_dir, ray_address, tmp_pa
 
 def test_stale_selects_when_the_window_finishes_in_time(tiny_model_dir, ray_address, tmp_path, monkeypatch):
     """With the update outlasting the exploration (forced here), batch k+1 trains on selected seeds."""
-    import ray
-
     from spotlight.train import run_training
 
     launch = Exploration.launch
@@ -329,8 +347,7 @@ def test_stale_selects_when_the_window_finishes_in_time(tiny_model_dir, ray_addr
     def launch_then_let_it_finish(self, iteration, *args, **kwargs):
         launch(self, iteration, *args, **kwargs)
         if self._window is not None:  # stands in for an update longer than the window
-            refs = [h.ref for h in self._window.handles]
-            ray.wait(refs, num_returns=len(refs), timeout=120)
+            self.pool.rt.runtime.wait(self._window.handles, timeout_s=120, take=False)
 
     monkeypatch.setattr(Exploration, "launch", launch_then_let_it_finish)
     cfg = tiny_recipe(tiny_model_dir, "stale", ray_address=ray_address)
@@ -390,8 +407,6 @@ def test_a_budget_too_small_for_one_prompt_probes_and_recovers(tiny_model_dir, r
     """Regression: one slow throughput report (an explorer starved by a busy CPU, a cold start) left
     a budget of fewer than G + 1 candidates, nothing was planned again, so nothing re-measured the
     throughput and exploration stopped for the rest of the run. Now the smallest plan goes out."""
-    import ray
-
     from spotlight.train import run_training
 
     launch = Exploration.launch
@@ -399,8 +414,7 @@ def test_a_budget_too_small_for_one_prompt_probes_and_recovers(tiny_model_dir, r
     def launch_then_let_it_finish(self, iteration, *args, **kwargs):
         launch(self, iteration, *args, **kwargs)
         if self._window is not None:  # deterministic: every window's report arrives in time
-            refs = [h.ref for h in self._window.handles]
-            ray.wait(refs, num_returns=len(refs), timeout=120)
+            self.pool.rt.runtime.wait(self._window.handles, timeout_s=120, take=False)
 
     learn = Exploration._learn
     starved = []
@@ -430,7 +444,10 @@ def test_a_budget_too_small_for_one_prompt_probes_and_recovers(tiny_model_dir, r
     assert rows[k + 1]["explore/prompts_selected"] > 0
 
 
-def test_fallback_when_an_explorer_is_killed_mid_window(tiny_model_dir, ray_address, tmp_path, monkeypatch):
+def test_an_explorer_killed_mid_window_loses_only_its_steps_since_the_last_commit(tiny_model_dir, ray_address, tmp_path, monkeypatch):
+    """Exploration jobs run on the runtime: the worker running one is killed mid-job; the job resumes
+    from its last commit on the other spot worker, its scores come back, the dead worker is replaced,
+    and the preempted work shows in the metrics."""
     import ray
 
     from spotlight.train import run_training
@@ -440,23 +457,36 @@ def test_fallback_when_an_explorer_is_killed_mid_window(tiny_model_dir, ray_addr
 
     def launch_then_kill(self, iteration, *args, **kwargs):
         launch(self, iteration, *args, **kwargs)
-        if not killed and self._window is not None:
-            handle = self._window.handles[0]
-            ray.kill(handle.actor)
-            ray.wait([handle.ref], timeout=30)  # until Ray reports the death; the update has not started
-            killed.append((iteration, set(self._window.jobs[0].slots)))
+        if killed or self._window is None:
+            return
+        runtime = self.pool.rt.runtime
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until a worker is past a commit of one of the window's jobs
+            leases = ray.get(runtime.queue.snapshot.remote())["leases"]
+            hit = [(job, group) for job, group, _, committed, progress in leases if job in self._window.handles and committed > 0 and progress > committed]
+            if hit:
+                break
+            time.sleep(0.005)
+        assert hit, "no exploration job got past a commit"
+        job, group = hit[0]
+        (worker,) = runtime.pool.groups[group].members
+        ray.kill(runtime.pool.actor(worker), no_restart=True)
+        runtime.wait([job], timeout_s=120, take=False)  # it resumed on the other worker and finished
+        killed.append((iteration, job))
 
     monkeypatch.setattr(Exploration, "launch", launch_then_kill)
-    cfg = tiny_recipe(tiny_model_dir, "stale", ray_address=ray_address)
+    cfg = tiny_recipe(tiny_model_dir, "stale", ray_address=ray_address, batch_size=2)
+    cfg.runtime.commit_every = 2
     summary = run_training(cfg, tmp_path, progress=False)
     assert summary["iterations"] == 3  # training went on
     assert killed, "no exploration window was launched"
-    it, slots = killed[0]
+    it, _ = killed[0]
     rows = read_metrics(tmp_path)
     assert rows[it]["explore/explorer_deaths"] == 1
-    died = {p for p, slot in enumerate(read_log(tmp_path)[it + 1]["slots"]) if slot["cause"] == "died"}
-    assert died and died <= slots  # only the prompts of the killed explorer's job (one may be shared)
-    assert rows[it + 1]["explore/fallback_died"] == len(died)
+    assert rows[it + 1]["explore/fallback_late"] == 0 and rows[it + 1]["explore/prompts_selected"] > 0
+    assert rows[it]["runtime/explore_leases_revoked_total"] >= 1
+    assert 1 <= rows[it]["runtime/explore_steps_recomputed_total"] <= 2  # the step past the commit, and the one in flight
+    assert rows[it]["runtime/explore_jobs_resumed_total"] >= 1
     assert rows[-1]["explore/explorer_respawns_total"] >= 1
 
 

@@ -151,8 +151,8 @@ def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ra
     """FSDP + Ray exploration: rank 0 publishes the weights every rank gathered, whole.
 
     2 FSDP ranks explore on a local Ray cluster (2 spot nodes). Each explored candidate's reward,
-    as the run logged it, is then recomputed here by an in-process Explorer (the actors' class,
-    its `ready` replaced: no Ray here) loaded with the checkpoint of the weights version the run
+    as the run logged it, is then recomputed here by an in-process `DiTRunner` (the runtime
+    workers' runner, no Ray here) loaded with the checkpoint of the weights version the run
     says it explored with: it must agree, and must not agree with the untrained weights (so an
     explorer left with its initial weights, or sent one rank's shards, would fail). Inline
     mode explores every batch after the first before its rollout, so it always has rows to check;
@@ -163,7 +163,7 @@ def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ra
     from spotlight.config import DiTRecipe
     from spotlight.config_io import load_config
     from spotlight.explore import LOG_FILE, ExploreJob
-    from spotlight.explorer_actor import Explorer
+    from spotlight.jobs import DiTRunner
     from spotlight.policy import trainable_state
     from spotlight.prompts import train_and_eval_prompts
     from spotlight.sampling import derive_seed
@@ -172,20 +172,26 @@ def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ra
     run = tmp_path / "run"
     overrides = [
         *fsdp_overrides(tiny_model_dir, 3), "train.lr=1e-3", "log.checkpoint_every=1", "log.keep_last=3",
-        f"explore.mode={mode}", f"explore.ray_address={ray_address}", "explore.planner=uniform",
+        f"explore.mode={mode}", f"runtime.ray_address={ray_address}", "explore.planner=uniform",
         "explore.max_candidates=6", "explore.budget_fraction=1.0", "explore.batch_size=4",
     ]  # fmt: skip
     config = cpu_fsdp_config(tmp_path / "cpu-fsdp.yaml")
     proc = launch(config, "train", *overrides, "--run-dir", str(run), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "explorer(s) ready" in proc.stdout and "fsdp: transformer sharded over 2 ranks" in proc.stdout
+    assert "spot group(s) explore" in proc.stdout and "fsdp: transformer sharded over 2 ranks" in proc.stdout
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
 
     cfg = load_config(DiTRecipe, run / "config.yaml")
     train_prompts, _ = train_and_eval_prompts(cfg.data, cfg.reward.weights)
-    monkeypatch.setattr(Explorer, "ready", lambda self: "in-process")
-    explorer = Explorer(cfg, 1)
-    base = {k: v.clone() for k, v in trainable_state(explorer.policy).items()}
+    runner = DiTRunner(cfg)
+    base = {k: v.clone() for k, v in trainable_state(runner.policy).items()}
+
+    def explore(job: ExploreJob):
+        state = runner.start(job, 0, None)
+        while not runner.finished(state):
+            state = runner.advance(state)
+        return runner.output(state)
+
     rows = [json.loads(line) for line in (run / LOG_FILE).read_text().splitlines()]
     checked = 0
     for row in rows:
@@ -206,11 +212,11 @@ def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ra
         )  # fmt: skip
         logged = [r for slot in row["slots"] for r in slot["stale_rewards"] if r is not None]
         # Version v is the weights after v updates: the checkpoint of step v (v = 0: the base model).
-        explorer.set_weights(version, base)
-        with_base = explorer.explore(job).rewards
+        runner.load_weights(version, base)
+        with_base = explore(job).rewards
         if version > 0:
-            explorer.set_weights(version, load_checkpoint(run / "checkpoints" / f"step-{version:08d}").tensors["trainable"])
-        with_version = explorer.explore(job).rewards
+            runner.load_weights(version, load_checkpoint(run / "checkpoints" / f"step-{version:08d}").tensors["trainable"])
+        with_version = explore(job).rewards
         # JPEG sizes of uint8 images: a pixel may round the other way (sharded vs whole summation).
         assert with_version == pytest.approx(logged, rel=1e-3), (k, version)
         if version > 0:
@@ -232,12 +238,12 @@ def test_fsdp_gathers_no_weights_when_nothing_is_planned(tiny_model_dir, ray_add
     the weights; the ranks still agree on every collective (the run would hang otherwise)."""
     run = tmp_path / "run"
     overrides = [
-        *fsdp_overrides(tiny_model_dir, 3), f"explore.ray_address={ray_address}", "explore.mode=stale",
+        *fsdp_overrides(tiny_model_dir, 3), f"runtime.ray_address={ray_address}", "explore.mode=stale",
         "explore.budget_fraction=1e-6",
     ]  # fmt: skip
     proc = launch(cpu_fsdp_config(tmp_path / "cpu-fsdp.yaml"), "train", *overrides, "--run-dir", str(run), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "explorer(s) ready" in proc.stdout and "fsdp: transformer sharded over 2 ranks" in proc.stdout
+    assert "spot group(s) explore" in proc.stdout and "fsdp: transformer sharded over 2 ranks" in proc.stdout
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["explore/weights_copies"] for r in rows] == [0, 0, 0]

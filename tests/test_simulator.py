@@ -29,7 +29,7 @@ def trace_of(*events, duration=1000.0) -> Trace:
 
 
 def jobs(n: int) -> list[Job]:
-    return [Job(i, "", seed=i) for i in range(n)]
+    return [Job(i, num_steps=10) for i in range(n)]
 
 
 def test_event_loop_order_and_stall():
@@ -180,10 +180,13 @@ def test_setup_and_profile_errors_name_the_field(tmp_path):
 
 
 def test_profile_from_run_reads_the_time_columns(tmp_path):
+    from spot.sim.profile import METRICS_FILE
     from spotlight.config import DiTRecipe
     from spotlight.config_io import save_config
+    from spotlight.tracking import METRICS_FILE as TRAINER_METRICS_FILE
     from spotlight.tracking import Tracker
 
+    assert METRICS_FILE == TRAINER_METRICS_FILE  # spot repeats the name: it may not import spotlight
     cfg = DiTRecipe()
     save_config(cfg, tmp_path / "config.yaml")
     with Tracker(tmp_path, project="t", run_name="t", mode="disabled", config={}) as tracker:

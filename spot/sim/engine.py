@@ -17,7 +17,7 @@ set are preempted and the missing initial ones added.
 
 Workers are groups of GPUs (`sp_degree`, sequence parallel). When a member is lost the survivors
 form a smaller group (down to `min_sp_degree`), and a group short of `sp_degree` takes spare ready
-GPUs when it is between jobs. Each such change costs `reform_s` when elastic (`spot.elastic`:
+GPUs when it is between jobs. Each such change costs `reform_s` when elastic (`spot.pool`:
 persistent workers, a new process group from state on the nodes) and `cold_restart_s` otherwise
 (processes restarted, the model reloaded). On-demand workers never fail.
 
@@ -40,7 +40,7 @@ from spot.jobqueue import ACCEPTED, HANDOFF, STALE, STOP, WAIT, Job, JobQueue, L
 from spot.sim.profile import Profile
 from spot.traces import Trace
 
-_LATENT = torch.zeros(1)  # the queue stores a latent per commit; the simulator's carry no data
+_LATENT = torch.zeros(1)  # the queue stores a state per commit; the simulator's carry no data
 
 
 class EventLoop:
@@ -415,7 +415,7 @@ class Cluster:
         self.loop.run_until(lambda: False, self.loop.now)  # what happens at this instant (nodes arriving) first
         self._push, self._orphaned = scheduler == "push", []
         handoff = self.handoff and not self._push
-        queue = JobQueue(lease_timeout_s=1e12, clock=lambda: self.loop.now, handoff_steps=num_steps if handoff else 0)
+        queue = JobQueue(lease_timeout_s=1e12, clock=lambda: self.loop.now, handoff=handoff)
         assignees = None
         if self._push:
             ready = [w.wid for w in self.live_workers() if w.spot in pools and w.available_at <= self.loop.now]

@@ -12,7 +12,8 @@ then update on the trainer GPUs; the update's GPU-seconds are split over the tra
                    workers explore the next batch's seeds with the previous weights, within the
                    planner's budget (predicted update time x spot throughput, as `spotlight.explore`
                    computes it); what is not done when the update ends is cut (a fallback).
-                   Elastic SP where the profile uses SP.
+                   Elastic SP where the profile uses SP. This is the trainer's
+                   runtime.rollouts=cluster explore.mode=stale (docs/spot.md says where they differ).
     disaggregated  rollout on the spot pool only, update on the trainer GPUs; random seeds.
 
 Learning model. GRPO learns from the reward variance inside groups. Each simulated iteration maps
@@ -191,7 +192,7 @@ def simulate(policy: str, setup: Setup, *, progress_cb=None) -> PolicyResult:
         nonlocal next_job
         out = []
         for i in range(0, n_samples, p.samples_per_job):
-            out.append(Job(next_job, "", seed=next_job, version=version))
+            out.append(Job(next_job, version=version, num_steps=p.num_steps))
             if sizes is not None:
                 sizes.append(min(p.samples_per_job, n_samples - i))
             next_job += 1

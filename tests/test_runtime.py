@@ -1,12 +1,13 @@
-"""The pull scheduler: the queue's lease logic (pure), then fault injection on a real local Ray cluster.
+"""The spot runtime: the queue's lease logic (pure), a runner resuming from a commit, then fault
+injection on a real local Ray cluster.
 
-Pure tests drive `JobQueue` with a fake clock, check that resuming a trajectory from a commit
-gives the uninterrupted bits, and cut trace windows. The Ray tests start one cluster per module
-(an on-demand head and two spot nodes on 127.0.0.1, one with a 4x slower step) and one worker
-pool with the tiny real model; each test runs a fresh queue on it and kills what it needs: a worker
-(`ray.kill`), a worker right after it sent a commit (`os._exit`), a whole node (SIGKILL), or warns
-a worker first (a notice). Each asserts that every job was delivered exactly once and that its
-final latent equals, bit for bit, the same (prompt, seed) sampled without interruption.
+Pure tests drive `JobQueue` with a fake clock and cut trace windows. The Ray tests start one
+cluster per module (an on-demand head and two spot nodes on 127.0.0.1, one with a 4x slower step)
+and one worker pool of DiT runners (`spotlight.jobs.DiTRunner`, the tiny real model); each test
+runs a fresh runtime (queue) on it and kills what it needs: a worker (`ray.kill`), a worker right
+after it sent a commit (`os._exit`), a whole node (SIGKILL), or warns a worker first (a notice).
+Each asserts that every job was delivered exactly once and that its output equals, bit for bit,
+the same (prompt, seed) sampled without interruption.
 """
 
 from __future__ import annotations
@@ -19,28 +20,24 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import logging
 import sys
 import time
+from functools import partial
 
 import pytest
 import torch
 
-from spot.jobqueue import ACCEPTED, HANDOFF, IGNORED, STALE, STOP, WAIT, Job, JobQueue, WeightsUpdate
+from spot.jobqueue import ACCEPTED, HANDOFF, IGNORED, STALE, STOP, WAIT, YIELD, Job, JobQueue, WeightsUpdate
+from spot.pool import WorkerPool
 from spot.replay import busiest_window, window
-from spot.scheduler import (
-    DenoiseSpec,
-    DenoiseWorker,
-    PullScheduler,
-    PushScheduler,
-    WorkerPool,
-    denoise_step,
-    sample_uninterrupted,
-)
+from spot.runtime import Runtime
 from spot.traces import Trace
+from spot.worker import Worker
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle"]
 
 
-def make_jobs(n: int, first_id: int = 0) -> list[Job]:
-    return [Job(i, PROMPTS[i % len(PROMPTS)], seed=1000 + i) for i in range(first_id, first_id + n)]
+def make_jobs(n: int, first_id: int = 0, num_steps: int = 10) -> list[Job]:
+    """Jobs whose payload is one (prompt, seed) row (the queue never reads it)."""
+    return [Job(i, (PROMPTS[i % len(PROMPTS)], 1000 + i), num_steps=num_steps) for i in range(first_id, first_id + n)]
 
 
 class FakeClock:
@@ -66,11 +63,14 @@ def test_queue_hands_each_job_out_once_and_delivers_each_result_once():
     assert len({ls.lease_id for ls in leases}) == 3
     assert q.pull("d") == WAIT
     for ls in leases:
-        assert ls.step == 0 and ls.latent_LC is None
+        assert ls.step == 0 and ls.state is None
         assert q.complete(ls.lease_id, 10, latent(10)) == ACCEPTED
         assert q.complete(ls.lease_id, 10, latent(10)) == STALE  # a retried result is not delivered twice
     assert [r.job_id for r in q.results()] == [0, 1, 2]
-    assert [r.job_id for r in q.results(2)] == [2]
+    assert [r.job_id for r in q.results(2)] == [2]  # the caller has the first two: they are dropped
+    assert [r.job_id for r in q.results(2)] == [2]  # re-reading from the same cursor is safe
+    with pytest.raises(ValueError, match="already taken"):
+        q.results(0)
     assert q.stats.done == 3 and q.stats.stale_results == 3
     q.close()
     assert q.pull("a") == STOP
@@ -79,7 +79,7 @@ def test_queue_hands_each_job_out_once_and_delivers_each_result_once():
 def test_a_free_fast_worker_takes_the_tail_job_over_from_a_slow_one():
     """Tail hand-off: the slow holder commits its current step and the fast worker resumes from it."""
     clock = FakeClock()
-    q = JobQueue(clock=clock, handoff_steps=10, lease_timeout_s=100)
+    q = JobQueue(clock=clock, handoff=True, lease_timeout_s=100)
     q.submit(make_jobs(2))
     slow, fast = q.pull("slow"), q.pull("fast")
     for step in range(1, 11):  # the fast worker takes 1 s per step, the slow one 4 s
@@ -95,16 +95,16 @@ def test_a_free_fast_worker_takes_the_tail_job_over_from_a_slow_one():
     assert q.commit(slow.lease_id, 3, latent(3), release=True) == ACCEPTED
     assert q.pull("slow") == WAIT  # reserved for the worker that asked
     took = q.pull("fast")
-    assert (took.job.job_id, took.step) == (slow.job.job_id, 3) and torch.equal(took.latent_LC, latent(3))
+    assert (took.job.job_id, took.step) == (slow.job.job_id, 3) and torch.equal(took.state, latent(3))
     assert q.complete(took.lease_id, 10, latent(10)) == ACCEPTED
     assert sorted(r.job_id for r in q.results()) == [0, 1]
     assert q.stats.handoffs == 1 and q.stats.recomputed_steps == 0
 
 
 def test_no_hand_off_when_it_would_not_pay_or_is_disabled():
-    for handoff_steps, slow_s in ((10, 1.2), (0, 4.0)):  # barely slower / hand-off off (push)
+    for handoff, slow_s in ((True, 1.2), (False, 4.0)):  # barely slower / hand-off off (push)
         clock = FakeClock()
-        q = JobQueue(clock=clock, handoff_steps=handoff_steps, lease_timeout_s=100)
+        q = JobQueue(clock=clock, handoff=handoff, lease_timeout_s=100)
         q.submit(make_jobs(2))
         slow, fast = q.pull("slow"), q.pull("fast")
         clock.now = slow_s
@@ -115,13 +115,13 @@ def test_no_hand_off_when_it_would_not_pay_or_is_disabled():
         q.complete(fast.lease_id, 10, latent(10))
         assert q.pull("fast") == WAIT
         clock.now = 2 * slow_s
-        assert q.progress(slow.lease_id, 2) == ACCEPTED, (handoff_steps, slow_s)
+        assert q.progress(slow.lease_id, 2) == ACCEPTED, (handoff, slow_s)
         assert q.stats.handoffs == 0
 
 
 def test_a_hand_off_to_a_worker_that_died_is_forgotten():
     clock = FakeClock()
-    q = JobQueue(clock=clock, handoff_steps=10, lease_timeout_s=100)
+    q = JobQueue(clock=clock, handoff=True, lease_timeout_s=100)
     q.submit(make_jobs(2))
     slow, fast = q.pull("slow"), q.pull("fast")
     clock.now = 1.0
@@ -143,7 +143,7 @@ def test_commits_are_idempotent_and_never_move_a_job_back():
     assert q.commit(ls.lease_id, 2, latent(2)) == IGNORED  # an older one, late
     q.worker_lost("a")
     resumed = q.pull("b")
-    assert resumed.step == 4 and torch.equal(resumed.latent_LC, latent(4))
+    assert resumed.step == 4 and torch.equal(resumed.state, latent(4))
 
 
 def test_a_lost_worker_is_fenced_and_its_late_messages_are_dropped():
@@ -194,7 +194,7 @@ def test_a_notice_commits_and_hands_back_with_nothing_to_recompute():
     q.progress(ls.lease_id, 5)
     assert q.commit(ls.lease_id, 5, latent(5), release=True) == ACCEPTED
     resumed = q.pull("b")  # first in line again, ahead of job 1
-    assert resumed.job.job_id == 0 and resumed.step == 5 and torch.equal(resumed.latent_LC, latent(5))
+    assert resumed.job.job_id == 0 and resumed.step == 5 and torch.equal(resumed.state, latent(5))
     assert q.stats.released == 1 and q.stats.recomputed_steps == 0
 
 
@@ -225,9 +225,9 @@ def test_push_assignment_and_repush():
 
 
 def test_jobs_of_a_new_version_wait_for_its_weights_then_workers_update_through_the_queue():
-    q = JobQueue(handoff_steps=8)
-    q.submit([Job(0, "a red circle", seed=1, version=0)])
-    q.submit([Job(1, "a red circle", seed=2, version=1), Job(2, "a red circle", seed=3, version=1)])
+    q = JobQueue(handoff=True)
+    q.submit([Job(0, version=0, num_steps=8)])
+    q.submit([Job(1, version=1, num_steps=8), Job(2, version=1, num_steps=8)])
     first = q.pull("a", 0)
     assert first.job.job_id == 0  # its own version first
     assert q.pull("b", 0) == WAIT  # version 1 is not published yet: its jobs wait
@@ -244,7 +244,7 @@ def test_jobs_of_a_new_version_wait_for_its_weights_then_workers_update_through_
 
 def test_a_worker_goes_back_to_an_older_version_when_only_its_jobs_are_left():
     q = JobQueue()
-    q.submit([Job(0, "a red circle", seed=1, version=0)])
+    q.submit([Job(0, version=0, num_steps=8)])
     q.publish(0, ["w0"])
     q.publish(1, ["w1"])
     assert q.published_versions() == [0, 1]  # job 0 still needs version 0
@@ -256,8 +256,8 @@ def test_a_worker_goes_back_to_an_older_version_when_only_its_jobs_are_left():
 
 def test_no_hand_off_to_a_worker_holding_other_weights():
     clock = FakeClock()
-    q = JobQueue(clock=clock, handoff_steps=8, handoff_margin=1.0)
-    q.submit([Job(0, "a", seed=0, version=1), Job(1, "a", seed=1, version=1), Job(2, "a", seed=2, version=0)])
+    q = JobQueue(clock=clock, handoff=True, handoff_margin=1.0)
+    q.submit([Job(0, version=1, num_steps=8), Job(1, version=1, num_steps=8), Job(2, version=0, num_steps=8)])
     q.publish(1, ["w1"])
     slow, fast = q.pull("slow", 1), q.pull("fast", 0)
     assert fast.job.job_id == 2
@@ -274,24 +274,127 @@ def test_no_hand_off_to_a_worker_holding_other_weights():
     assert q.progress(slow.lease_id, 4) == HANDOFF
 
 
-# -- resuming a trajectory, without Ray -----------------------------------------------------------
+def test_a_job_of_better_priority_makes_a_running_one_yield_at_its_next_report():
+    """Exploration (priority 1) yields to a rollout (priority 0): commit the current step, release,
+    and the rollout is pulled first; the yielded job resumes from that commit with nothing lost."""
+    q = JobQueue()
+    q.submit([Job(0, num_steps=10, priority=1, kind="explore")])
+    explore = q.pull("a")
+    assert q.progress(explore.lease_id, 1) == ACCEPTED  # nothing better waits
+    q.submit([Job(1, num_steps=10, priority=0, kind="rollout")])
+    assert q.progress(explore.lease_id, 2) == YIELD
+    assert q.commit(explore.lease_id, 2, latent(2), release=True) == ACCEPTED
+    assert q.pull("a").job.job_id == 1  # the rollout first
+    resumed = q.pull("b")
+    assert resumed.job.job_id == 0 and resumed.step == 2 and torch.equal(resumed.state, latent(2))
+    assert q.stats.yielded == 1 and q.stats.recomputed_steps == 0
+    assert q.stats_by_kind["explore"].yielded == 1 and q.stats_by_kind["rollout"].yielded == 0
 
 
-def test_resume_from_a_commit_gives_the_uninterrupted_bits(tiny_policy):
-    from spotlight.rollout import encode
+def test_no_yield_for_a_job_the_worker_could_not_take():
+    q = JobQueue()
+    q.submit([Job(0, num_steps=10, priority=1)])
+    running = q.pull("a", 0, pool="spot")
+    q.submit([Job(1, num_steps=10, priority=0, version=5)])  # weights 5 not published: it waits anyway
+    q.submit([Job(2, num_steps=10, priority=0, pools=("on_demand",))])  # not for a spot worker
+    assert q.progress(running.lease_id, 1) == ACCEPTED
+    assert q.pull("b", 0, pool="spot") == WAIT
+    assert q.pull("c", 0, pool="on_demand").job.job_id == 2
+    q.publish(5, ["w5"])
+    assert q.commit(running.lease_id, 2, latent(2)) == YIELD  # applied, and now it should go
+    assert q.pull("a", 0, pool="spot") == WeightsUpdate(5, ["w5"])
+
+
+def test_cancelled_jobs_leave_the_line_and_their_holders_abandon_them():
+    q = JobQueue()
+    q.submit(make_jobs(3))
+    running = q.pull("a")
+    assert sorted(q.cancel([0, 1, 99])) == [0, 1]  # an unknown id is ignored
+    assert q.progress(running.lease_id, 1) == STALE
+    assert q.pull("b").job.job_id == 2
+    assert q.pull("c") == WAIT
+    assert q.stats.cancelled == 2 and q.cancel([0]) == []
+
+
+def test_a_lost_worker_also_loses_the_step_it_was_computing():
+    q = JobQueue()
+    q.submit(make_jobs(2, num_steps=10))
+    a, b = q.pull("a"), q.pull("b")
+    q.commit(a.lease_id, 4, latent(4))
+    q.progress(a.lease_id, 5)
+    q.worker_lost("a")  # died during step 6
+    q.progress(b.lease_id, 3)
+    q.pull("b")  # it pulls again: it abandoned its job, it was computing nothing
+    s = q.stats
+    assert (s.recomputed_steps, s.steps_in_flight_lost, s.revoked) == (1 + 3, 1, 2)
+
+
+# -- a runner resuming from a commit, without Ray ------------------------------------------------
+
+
+def tiny_cfg(model_dir, **sample):
+    from spotlight.config import DiTRecipe
+    from spotlight.config_io import from_dict
+
+    data = {
+        "model": {"path": str(model_dir), "height": 32, "width": 32, "max_text_tokens": 16},
+        "sample": {"num_steps": NUM_STEPS, "noise_level": 0.7, "autocast": "none", **sample},
+        "reward": {"weights": {"jpeg_compressibility": 1.0}},
+        "train": {"objective": "flow_grpo", "group_size": 2},
+        "explore": {"batch_size": 2},
+    }  # fmt: skip
+    return from_dict(DiTRecipe, data)
+
+
+def row_job(job_id: int, version: int = 0) -> Job:
+    """One (prompt, seed) row as a rollout job of the DiT runner; every latent kept."""
+    from spotlight.jobs import RolloutJob
+
+    prompt, seed = PROMPTS[job_id % len(PROMPTS)], 1000 + job_id
+    payload = RolloutJob([prompt], [seed], list(range(NUM_STEPS)), list(range(NUM_STEPS + 1)))
+    return Job(job_id, payload, version=version, num_steps=NUM_STEPS, kind="rollout")
+
+
+def uninterrupted(policy, job: Job) -> torch.Tensor:
+    """The final latent of the job's row, sampled in one go by the trainer's own rollout."""
+    from spotlight.rollout import rollout
     from spotlight.sampling import qwen_image_sigmas
 
-    spec = DenoiseSpec(num_steps=6, noise_level=0.7)
-    job = make_jobs(1)[0]
-    batch = encode(tiny_policy, [job.prompt], spec.guidance_scale, spec.negative_prompt)
-    sigmas = qwen_image_sigmas(spec.num_steps, tiny_policy.latent_shape[0])
-    x = None
-    for k in range(4):  # a worker runs 4 steps and commits
-        x = denoise_step(tiny_policy, batch, sigmas, spec, job.seed, k, x)
-    committed = x.clone()
-    for k in range(4, 6):  # another worker resumes from the commit
-        committed = denoise_step(tiny_policy, batch, sigmas, spec, job.seed, k, committed)
-    assert torch.equal(committed, sample_uninterrupted(tiny_policy, job, spec))
+    p = job.payload
+    sigmas = qwen_image_sigmas(NUM_STEPS, policy.latent_shape[0])
+    return rollout(policy, p.prompts, p.seeds, sigmas, noise_level=0.7, sde_steps=p.sde_steps).trajectory.final[0]
+
+
+def test_a_runner_resumed_from_a_commit_gives_the_uninterrupted_bits(tiny_model_dir):
+    """Rollout and exploration jobs: start, 3 steps, commit; a second runner resumes from the
+    commit and finishes; the output equals the uninterrupted job's (and the trainer's rollout)."""
+    from spotlight.explore import ExploreJob
+    from spotlight.jobs import DiTRunner
+
+    cfg = tiny_cfg(tiny_model_dir)
+    first, second = DiTRunner(cfg), DiTRunner(cfg)
+
+    def run(runner, payload, state=None, upto=None):
+        state = state or runner.start(payload, 0, None)
+        while not runner.finished(state) and (upto is None or state.step < upto):
+            state = runner.advance(state)
+        return state
+
+    job = row_job(0)
+    saved = first.commit(run(first, job.payload, upto=3))
+    resumed = second.output(run(second, job.payload, second.start(job.payload, 3, saved)))
+    whole = first.output(run(first, job.payload))
+    assert torch.equal(resumed.latents, whole.latents) and torch.equal(resumed.log_probs, whole.log_probs)
+    assert torch.equal(whole.latents[-1][0], uninterrupted(first.policy, job))
+    # Exploration: 3 rows in chunks of 2; resumed mid-way through the second chunk.
+    explore = ExploreJob(0, 0, PROMPTS, [0, 0, 1], [0, 1, 2], [7, 8, 9], list(range(NUM_STEPS)))
+    state = run(first, explore, upto=3)
+    while state.chunk == 0 or state.step < 3:
+        state = first.advance(state)
+    saved = first.commit(state)
+    a = second.output(run(second, explore, second.start(explore, 0, saved)))
+    b = first.output(run(first, explore))
+    assert a.rewards == b.rewards and len(a.rewards) == 3 and a.complete
 
 
 # -- fitting traces to the cluster ---------------------------------------------------------------
@@ -309,31 +412,30 @@ def test_window_starts_with_the_nodes_alive_then():
 # -- on a real local Ray cluster -------------------------------------------------------------------
 
 NUM_STEPS, COMMIT_EVERY = 8, 3
-SPEC = DenoiseSpec(num_steps=NUM_STEPS, noise_level=0.7)
 STEP_S = {"fast": 0.03, "slow": 0.12}
 """Per-step wall time of the worker on each node: the slow one is 4x slower."""
 
 
-class FaultyWorker(DenoiseWorker):
-    """A DenoiseWorker that, once armed, dies (os._exit) right after sending its next commit."""
+class FaultyWorker(Worker):
+    """A Worker that, once armed, dies (os._exit) right after sending its next commit."""
 
     _armed = False
 
     def arm_crash_after_commit(self) -> None:
         self._armed = True
 
-    def _commit(self, queue, lease, step, latent_LC):
+    def _commit(self, queue, lease_id, step, saved):
         if not self._armed:
-            return super()._commit(queue, lease, step, latent_LC)
-        queue.commit.remote(lease.lease_id, step, latent_LC)  # issued, not awaited
+            return super()._commit(queue, lease_id, step, saved)
+        queue.commit.remote(lease_id, step, saved)  # issued, not awaited
         os._exit(1)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    from spot.replay import ReplayCluster
+    from spot.cluster import LocalCluster
 
-    c = ReplayCluster()
+    c = LocalCluster()
     try:
         c.add_node("fast")
         c.add_node("slow")
@@ -346,13 +448,6 @@ def cluster():
         yield c
     finally:
         c.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_cfg(tiny_model_dir):
-    from spotlight.config import ModelConfig
-
-    return ModelConfig(path=str(tiny_model_dir), height=32, width=32, max_text_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -375,17 +470,17 @@ def imds():
 
 
 @pytest.fixture(scope="module")
-def pool(cluster, model_cfg, imds):
-    from spot.replay import NODE_LABEL
+def pool(cluster, tiny_model_dir, imds):
+    from spot.cluster import NODE_LABEL
+    from spotlight.jobs import DiTRunner
 
     def node_kwargs(node: dict) -> dict:
         name = node["Labels"][NODE_LABEL]
         return {"step_s": STEP_S[name.split("-")[0]], "imds_endpoint": imds(name).url}
 
     p = WorkerPool(
-        model_cfg,
-        SPEC,
-        worker_kwargs={"commit_every": COMMIT_EVERY, "poll_s": 0.02, "imds_poll_s": 0.1},
+        partial(DiTRunner, tiny_cfg(tiny_model_dir)),
+        worker_kwargs={"commit_every": COMMIT_EVERY, "poll_s": 0.02, "imds_poll_s": 0.1, "version": 0},
         node_kwargs=node_kwargs,
         worker_cls=FaultyWorker,
     )
@@ -396,29 +491,30 @@ def pool(cluster, model_cfg, imds):
 
 
 @pytest.fixture(scope="module")
-def reference(model_cfg):
-    """Uninterrupted final latents, by job id (computed on demand, single-threaded like the workers)."""
+def reference(tiny_model_dir):
+    """Uninterrupted final latents, by job id, with the model's own weights (version 0)."""
     from spotlight.policy import load_policy
 
-    policy = load_policy(model_cfg, trainable=False)
+    policy = load_policy(tiny_cfg(tiny_model_dir).model, trainable=False)
     cache: dict[int, torch.Tensor] = {}
 
     def get(job: Job) -> torch.Tensor:
         if job.job_id not in cache:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                cache[job.job_id] = sample_uninterrupted(policy, job, SPEC)
-            finally:
-                torch.set_num_threads(threads)
+            cache[job.job_id] = uninterrupted(policy, job)
         return cache[job.job_id]
 
     return get
 
 
-def ready_pool(pool, n: int = 2):
-    pool.wait_ready(n, timeout_s=120)
-    return pool
+def runtime_on(pool, n: int = 2, **kwargs) -> Runtime:
+    """A fresh runtime (queue) on the module's pool, once `n` groups serve it."""
+    rt = Runtime(pool, tick_s=0.02, **kwargs)
+    deadline = time.monotonic() + 120
+    while len(pool.running()) < n:
+        assert time.monotonic() < deadline, "workers did not come up"
+        rt.tick()
+        time.sleep(0.05)
+    return rt
 
 
 def check_exactly_once(report, jobs, reference):
@@ -426,39 +522,42 @@ def check_exactly_once(report, jobs, reference):
     assert sorted(r.job_id for r in report.results) == [j.job_id for j in jobs]
     by_id = {j.job_id: j for j in jobs}
     for r in report.results:
-        assert torch.equal(r.latent_LC, reference(by_id[r.job_id])), f"job {r.job_id} differs from the uninterrupted run"
+        assert torch.equal(r.output.latents[-1][0], reference(by_id[r.job_id])), f"job {r.job_id} differs from the uninterrupted run"
 
 
-def run_until(sched, cond, timeout_s: float = 30.0):
-    """Tick the scheduler until cond(snapshot) returns a value; return it."""
+def run_until(rt, cond, timeout_s: float = 30.0):
+    """Tick the runtime until cond(snapshot) returns a value; return it."""
     import ray
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        sched.tick()
-        hit = cond(ray.get(sched.queue.snapshot.remote()))
+        rt.tick()
+        hit = cond(ray.get(rt.queue.snapshot.remote()))
         if hit:
             return hit
         time.sleep(0.01)
     raise TimeoutError("condition not reached")
 
 
-def slow_worker(cluster, pool) -> str:
-    """The ready worker on the slow node: the victim, so that the test outruns its next step."""
-    (worker,) = [w for w in pool.ready() if node_name(cluster, pool, w).startswith("slow")]
-    return worker
+def group_on(cluster, pool, prefix: str) -> tuple[str, str]:
+    """(group id, worker id) of the running group on the node named `prefix`...: the victim."""
+    for g in pool.running():
+        (w,) = g.members
+        if node_name(cluster, pool, w).startswith(prefix):
+            return g.group_id, w
+    raise AssertionError(f"no running group on a {prefix} node")
 
 
 def node_name(cluster, pool, worker_id: str) -> str:
     return next(n for n in cluster.node_names() if cluster.node_id(n) == pool.node_of(worker_id))
 
 
-def past_a_commit(worker_id: str):
-    """Condition: `worker_id` holds a job with a commit and is past it; gives (job, committed step)."""
+def past_a_commit(group_id: str):
+    """Condition: `group_id` holds a job with a commit and is past it; gives (job, committed step)."""
 
     def cond(snapshot):
-        for job_id, w, _lease, committed, progress in snapshot["leases"]:
-            if w == worker_id and committed >= COMMIT_EVERY and progress > committed:
+        for job_id, g, _lease, committed, progress in snapshot["leases"]:
+            if g == group_id and committed >= COMMIT_EVERY and progress > committed:
                 return job_id, committed
         return None
 
@@ -466,83 +565,83 @@ def past_a_commit(worker_id: str):
 
 
 def test_pull_delivers_every_job_once_with_the_uninterrupted_bits(pool, reference):
-    sched = PullScheduler(ready_pool(pool))
-    jobs = make_jobs(8)
-    sched.submit(jobs)
-    report = sched.run(timeout_s=60)
-    sched.close()
+    rt = runtime_on(pool)
+    jobs = [row_job(i) for i in range(8)]
+    rt.submit(jobs)
+    report = rt.run(timeout_s=60)
+    rt.close()
     check_exactly_once(report, jobs, reference)
     s = report.stats
     # A tail job may move from the slow worker to the fast one (hand-off): one more lease and one
     # release commit each, nothing recomputed.
     assert s.leases == 8 + s.handoffs and s.released == s.handoffs and s.revoked == 0 and s.recomputed_steps == 0
     assert s.commits + s.commits_ignored == 8 * ((NUM_STEPS - 1) // COMMIT_EVERY) + s.handoffs
-    assert {r.worker_id for r in report.results} == set(pool.ready())  # both worked
+    assert len({r.worker_id for r in report.results}) == 2  # both worked
 
 
 def test_pull_beats_push_with_a_slow_worker(pool):
     times = {}
-    for cls in (PullScheduler, PushScheduler):
-        sched = cls(ready_pool(pool))
-        sched.submit(make_jobs(8, first_id=100))
-        report = sched.run(timeout_s=60)
-        sched.close()
+    for policy in ("pull", "push"):
+        rt = runtime_on(pool, policy=policy)
+        rt.submit([row_job(i) for i in range(100, 108)])
+        report = rt.run(timeout_s=60)
+        rt.close()
         assert report.lost == 0 and report.duplicated == 0
-        times[cls.__name__] = report.wall_s
+        times[policy] = report.wall_s
     # Push gives the 4x slower worker half the jobs; pull lets the fast one take most.
-    assert times["PullScheduler"] < 0.85 * times["PushScheduler"], times
+    assert times["pull"] < 0.85 * times["push"], times
 
 
 def test_a_worker_killed_mid_job_is_resumed_from_its_last_commit(cluster, pool, reference):
     import ray
 
-    sched = PullScheduler(ready_pool(pool))
-    victim = slow_worker(cluster, pool)
-    jobs = make_jobs(6, first_id=200)
-    sched.submit(jobs)
-    job_id, _ = run_until(sched, past_a_commit(victim))
+    rt = runtime_on(pool)
+    group, victim = group_on(cluster, pool, "slow")
+    jobs = [row_job(i) for i in range(200, 206)]
+    rt.submit(jobs)
+    job_id, _ = run_until(rt, past_a_commit(group))
     ray.kill(pool.actor(victim), no_restart=True)
-    report = sched.run(timeout_s=60)
-    sched.close()
+    report = rt.run(timeout_s=60)
+    rt.close()
     check_exactly_once(report, jobs, reference)
     assert "died" in [ev for _, w, ev in report.events if w == victim]
     s = report.stats
-    assert s.revoked == 1 and 1 <= s.recomputed_steps <= COMMIT_EVERY
+    assert s.revoked == 1 and 1 <= s.recomputed_steps <= COMMIT_EVERY and s.steps_in_flight_lost == 1
     assert next(r for r in report.results if r.job_id == job_id).num_leases == 2
 
 
 def test_push_repushes_a_dead_workers_jobs(cluster, pool, reference):
     import ray
 
-    sched = PushScheduler(ready_pool(pool))
-    victim = slow_worker(cluster, pool)
-    jobs = make_jobs(6, first_id=300)
-    ready = pool.ready()
-    pushed_to_victim = [j.job_id for i, j in enumerate(jobs) if ready[i % len(ready)] == victim]
-    sched.submit(jobs)
-    run_until(sched, past_a_commit(victim))
+    rt = runtime_on(pool, policy="push")
+    group, victim = group_on(cluster, pool, "slow")
+    jobs = [row_job(i) for i in range(300, 306)]
+    ready = [g.group_id for g in pool.running()]
+    pushed_to_victim = [j.job_id for i, j in enumerate(jobs) if ready[i % len(ready)] == group]
+    rt.submit(jobs)
+    run_until(rt, past_a_commit(group))
     ray.kill(pool.actor(victim), no_restart=True)
-    report = sched.run(timeout_s=60)
-    sched.close()
+    report = rt.run(timeout_s=60)
+    rt.close()
     check_exactly_once(report, jobs, reference)
     assert report.stats.revoked == 1
     # Round robin gave the victim 3 jobs; it was killed in its first, so all three were re-pushed to
-    # the one other worker ready then (the victim's replacement was still loading).
-    assert sorted(sched.repushed) == pushed_to_victim and len(pushed_to_victim) == 3
-    assert victim not in {r.worker_id for r in report.results}
+    # the one other group running then (the victim's replacement was still loading).
+    assert sorted(rt.repushed) == pushed_to_victim and len(pushed_to_victim) == 3
+    assert group not in {r.worker_id for r in report.results}
 
 
 def test_a_worker_killed_right_after_sending_a_commit_leaves_the_queue_consistent(cluster, pool, reference):
     import ray
 
-    sched = PullScheduler(ready_pool(pool))
-    victim = slow_worker(cluster, pool)
-    jobs = make_jobs(6, first_id=400)
-    sched.submit(jobs)
-    run_until(sched, lambda snap: any(w == victim and p >= 1 for _, w, _, _, p in snap["leases"]))
+    rt = runtime_on(pool)
+    group, victim = group_on(cluster, pool, "slow")
+    jobs = [row_job(i) for i in range(400, 406)]
+    rt.submit(jobs)
+    run_until(rt, lambda snap: any(g == group and p >= 1 for _, g, _, _, p in snap["leases"]))
     ray.get(pool.actor(victim).arm_crash_after_commit.remote())
-    report = sched.run(timeout_s=60)
-    sched.close()
+    report = rt.run(timeout_s=60)
+    rt.close()
     check_exactly_once(report, jobs, reference)
     assert [w for _, w, ev in report.events if ev == "died"] == [victim]
     assert report.stats.revoked == 1
@@ -551,45 +650,51 @@ def test_a_worker_killed_right_after_sending_a_commit_leaves_the_queue_consisten
 def test_a_notice_commits_at_once_and_nothing_is_recomputed(cluster, pool, imds, reference):
     from ray._raylet import GcsClient
 
-    sched = PullScheduler(ready_pool(pool))
-    victim = slow_worker(cluster, pool)
+    rt = runtime_on(pool)
+    group, victim = group_on(cluster, pool, "slow")
     node = node_name(cluster, pool, victim)
-    jobs = make_jobs(6, first_id=500)
-    sched.submit(jobs)
-    job_id, _ = run_until(sched, past_a_commit(victim))
+    lost, hit = len(pool.nodes_lost), len(set(pool.nodes_lost) & pool.nodes_hit)
+    jobs = [row_job(i) for i in range(500, 506)]
+    rt.submit(jobs)
+    job_id, _ = run_until(rt, past_a_commit(group))
     imds(node).schedule_interruption(lead_s=60)  # the node's metadata endpoint announces the reclaim
     # Its worker's watcher sees it, commits its last step, hands the job back, stops pulling and
     # drains the node; then the node goes.
-    run_until(sched, lambda _: (victim, "left") in [(w, ev) for _, w, ev in pool.events])
+    run_until(rt, lambda _: (victim, "left") in [(w, ev) for _, w, ev in pool.events])
     assert pool.node_of(victim) in GcsClient(address=cluster.cluster.gcs_address).get_draining_nodes()
     cluster.remove_node(node)  # the reclaim the notice announced
-    report = sched.run(timeout_s=60)
-    sched.close()
+    report = rt.run(timeout_s=60)
+    run_until(rt, lambda _: len(pool.nodes_lost) > lost)  # Ray declares the node dead within seconds
+    status = rt.status()
+    rt.close()
     check_exactly_once(report, jobs, reference)
     s = report.stats
-    assert s.released == 1 and s.revoked == 0 and s.recomputed_steps == 0
+    assert s.released == 1 and s.revoked == 0 and s.recomputed_steps == 0 and s.steps_in_flight_lost == 0
     assert next(r for r in report.results if r.job_id == job_id).num_leases == 2
-    assert "left" in [ev for _, w, ev in report.events if w == victim]
+    assert (status.preemptions, status.preemptions_hitting_work) == (lost + 1, hit + 1)
     cluster.add_node(f"{node.split('-')[0]}-2")  # capacity comes back under a new node
 
 
 def test_a_node_removed_without_notice_loses_at_most_the_commit_interval(cluster, pool, reference):
-    sched = PullScheduler(ready_pool(pool))
-    victim = slow_worker(cluster, pool)
-    jobs = make_jobs(6, first_id=600)
-    sched.submit(jobs)
-    job_id, _ = run_until(sched, past_a_commit(victim))
-    node = node_name(cluster, pool, victim)
-    cluster.remove_node(node)
-    report = sched.run(timeout_s=60)
-    sched.close()
+    rt = runtime_on(pool)
+    group, victim = group_on(cluster, pool, "slow")
+    lost, hit = len(pool.nodes_lost), len(set(pool.nodes_lost) & pool.nodes_hit)
+    jobs = [row_job(i) for i in range(600, 606)]
+    rt.submit(jobs)
+    job_id, _ = run_until(rt, past_a_commit(group))
+    cluster.remove_node(node_name(cluster, pool, victim))
+    report = rt.run(timeout_s=60)
+    run_until(rt, lambda _: len(pool.nodes_lost) > lost)
+    status = rt.status()
+    rt.close()
     check_exactly_once(report, jobs, reference)
     s = report.stats
-    assert s.revoked == 1 and 1 <= s.recomputed_steps <= COMMIT_EVERY
+    assert s.revoked == 1 and 1 <= s.recomputed_steps + s.steps_in_flight_lost <= COMMIT_EVERY
     assert next(r for r in report.results if r.job_id == job_id).num_leases == 2
+    assert (status.preemptions, status.preemptions_hitting_work) == (lost + 1, hit + 1)
 
 
-def test_published_weights_reach_the_workers_through_the_queue(cluster, pool, model_cfg, reference):
+def test_published_weights_reach_the_workers_through_the_queue(cluster, pool, tiny_model_dir, reference):
     """New policy weights: the version-1 jobs wait until `publish`, then every worker (one that
     joined meanwhile too) loads them through the queue and samples with them. The pool's last test:
     its workers keep version 1 afterwards."""
@@ -597,43 +702,37 @@ def test_published_weights_reach_the_workers_through_the_queue(cluster, pool, mo
 
     from spotlight.policy import load_policy, load_trainable_state, trainable_state
 
-    sched = PullScheduler(ready_pool(pool, 1))
-    trained = load_policy(model_cfg, trainable=False)
+    rt = runtime_on(pool, 1)
+    trained = load_policy(tiny_cfg(tiny_model_dir).model, trainable=False)
     g = torch.Generator().manual_seed(0)
     state = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in trainable_state(trained).items()}
     load_trainable_state(trained, state)
-    jobs = [Job(j.job_id, j.prompt, j.seed, version=1) for j in make_jobs(6, first_id=700)]
-    sched.submit(jobs)
+    jobs = [row_job(i, version=1) for i in range(700, 706)]
+    rt.submit(jobs)
     deadline = time.monotonic() + 1.0
     while time.monotonic() < deadline:
-        sched.tick()
+        rt.tick()
         time.sleep(0.05)
-    assert ray.get(sched.queue.snapshot.remote())["stats"].leases == 0  # no weights yet: nothing runs
+    assert ray.get(rt.queue.snapshot.remote())["stats"].leases == 0  # no weights yet: nothing runs
     cluster.add_node("fast-late")  # its worker starts with the model's own weights, version 0
-    pool.wait_ready(2, timeout_s=120)
-    sched.publish(1, state)
-    report = sched.run(timeout_s=60)
-    sched.close()
-
-    def with_new_weights(job: Job) -> torch.Tensor:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return sample_uninterrupted(trained, job, SPEC)
-        finally:
-            torch.set_num_threads(threads)
-
-    check_exactly_once(report, jobs, with_new_weights)
+    while len(pool.running()) < 2:
+        rt.tick()
+        time.sleep(0.05)
+    rt.publish(1, state)
+    report = rt.run(timeout_s=60)
+    rt.close()
+    check_exactly_once(report, jobs, lambda job: uninterrupted(trained, job))
     assert report.stats.weight_updates == 2  # each of the two workers once
     for job in jobs[:2]:
-        assert not torch.equal(reference(job), with_new_weights(job))  # the update changed the bits
+        assert not torch.equal(reference(job), uninterrupted(trained, job))  # the update changed the bits
 
 
 def test_the_replayer_adds_warns_and_preempts_on_the_trace_clock(cluster):
     import ray
 
     from spot.metadata import MetadataWatcher
-    from spot.replay import NODE_LABEL, TraceReplayer
+    from spot.cluster import IMDS_LABEL, NODE_LABEL
+    from spot.replay import TraceReplayer
     from spot.traces import TraceEvent
 
     trace = Trace((TraceEvent(0.0, "r-0", "add"), TraceEvent(1.5, "r-0", "preempt")), 2.0, "test", "synthetic")
@@ -643,6 +742,7 @@ def test_the_replayer_adds_warns_and_preempts_on_the_trace_clock(cluster):
         node_id = cluster.node_id("r-0")
         (node,) = [n for n in ray.nodes() if n["NodeID"] == node_id]
         assert node["Alive"] and node["Labels"][NODE_LABEL] == "r-0"
+        assert node["Labels"][IMDS_LABEL] == replayer.imds_url("r-0")  # where the node's workers look
         notices = []
         watcher = MetadataWatcher(replayer.imds_url("r-0"), poll_interval_s=0.1, callbacks=(notices.append,))
         with watcher:

@@ -1,0 +1,183 @@
+"""Training through preemptions: `spotlight train` with its rollouts on the spot runtime
+(runtime.rollouts=cluster) gives, bit for bit, the weights of the same run with local rollouts,
+while spot nodes are killed under it, warned first, or come and go along a replayed trace.
+
+The small version of `benchmarks/spot_training.py`. A tiny model, 3 iterations of 3 prompts x 4
+seeds, rollout jobs of 2 rows (and local rollout chunks of 2: see `recipe`). The kill and the notice are aimed: a thread watches the queue and
+hits a spot worker's node once it holds a rollout job past a commit, so the preemption lands on
+work every time. The trace test runs the real command with `runtime.trace` (a local cluster in a
+process of its own adding and killing nodes on the trace's clock).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Bind every Ray process to 127.0.0.1; read when `ray` is first imported (design.md §4).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from spotlight.checkpoint import load_checkpoint
+from spotlight.config import DiTRecipe
+from spotlight.config_io import from_dict
+from spotlight.tracking import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+ITERATIONS, COMMIT_EVERY = 3, 2
+
+
+def recipe(model_dir: Path, **runtime) -> DiTRecipe:
+    data = {
+        "model": {"path": str(model_dir), "height": 32, "width": 32},
+        # The local rollout's chunks are the jobs' size: this tiny model's matmuls round differently
+        # at other batch sizes (the tiny recipe's do not: jobs of 16 against chunks of 128).
+        "sample": {"num_steps": 6, "autocast": "none", "batch_size": 2},
+        "reward": {"weights": {"jpeg_compressibility": 1.0}},  # varies per seed: every group trains
+        "train": {"num_iterations": ITERATIONS, "prompts_per_iteration": 3, "group_size": 4, "minibatch_size": 6, "max_minutes": 0},
+        "log": {"wandb_mode": "disabled", "images_every": 0, "checkpoint_every": ITERATIONS},
+        "data": {"num_heldout": 8},
+        "runtime": {"job_size": 2, "commit_every": COMMIT_EVERY, **runtime},
+    }  # fmt: skip
+    return from_dict(DiTRecipe, data)
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(run_dir).tensors["trainable"]
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def local_run(tiny_model_dir, tmp_path_factory):
+    """The reference: the same recipe, rollouts in the trainer."""
+    from spotlight.train import run_training
+
+    run_dir = tmp_path_factory.mktemp("local")
+    run_training(recipe(tiny_model_dir), run_dir, progress=False)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """An on-demand head and two spot nodes, each with a fake metadata endpoint in its labels."""
+    from spot.cluster import IMDS_LABEL, LocalCluster
+    from spot.fake_imds import FakeIMDS
+
+    c = LocalCluster()
+    c.imds = {}
+    try:
+        for name in ("spot-a", "spot-b"):
+            c.imds[name] = FakeIMDS().start()
+            c.add_node(name, labels={IMDS_LABEL: c.imds[name].url})
+        yield c
+    finally:
+        c.shutdown()
+        for imds in c.imds.values():
+            imds.stop()
+
+
+def strike_when_past_a_commit(cluster, monkeypatch, act) -> list:
+    """From the second iteration's rollout on, once a spot worker holds a rollout job past a
+    commit, call act(cluster, node name) once (on a thread, so the rollout goes on). Returns the
+    list it appends (node, job, committed step, progress) to."""
+    import ray
+
+    from spotlight.spot_runtime import SpotRuntime
+
+    struck: list = []
+    rollout = SpotRuntime.rollout
+
+    def watch(rt: SpotRuntime) -> None:
+        pool = rt.runtime.pool
+        deadline = time.monotonic() + 60
+        while not struck and time.monotonic() < deadline:
+            for job, group, _, committed, progress in ray.get(rt.runtime.queue.snapshot.remote())["leases"]:
+                g = pool.groups.get(group)
+                if g is None or g.pool != "spot" or committed < COMMIT_EVERY or progress <= committed:
+                    continue
+                name = next(n for n in cluster.node_names() if cluster.node_id(n) == pool.node_of(g.members[0]))
+                struck.append((name, job, committed, progress))
+                act(cluster, name)
+                return
+            time.sleep(0.002)
+
+    def rollout_and_strike(self, version, *args, **kwargs):
+        if version == 1 and not struck:
+            threading.Thread(target=watch, args=(self,), daemon=True).start()
+        return rollout(self, version, *args, **kwargs)
+
+    monkeypatch.setattr(SpotRuntime, "rollout", rollout_and_strike)
+    return struck
+
+
+def test_a_spot_node_killed_mid_rollout_changes_nothing_in_the_weights(tiny_model_dir, local_run, cluster, tmp_path, monkeypatch):
+    from spotlight.train import run_training
+
+    struck = strike_when_past_a_commit(cluster, monkeypatch, lambda c, name: c.remove_node(name))  # SIGKILL, no notice
+    run_training(recipe(tiny_model_dir, rollouts="cluster", ray_address=cluster.address), tmp_path, progress=False)
+    assert struck, "no spot worker held a rollout job past a commit"
+    last = read_metrics(tmp_path)[-1]
+    assert last["runtime/preemptions_total"] == 1 and last["runtime/preemptions_hitting_work_total"] == 1
+    assert last["runtime/rollout_jobs_submitted_total"] == last["runtime/rollout_jobs_done_total"] == ITERATIONS * 6
+    assert last["runtime/duplicated_results_total"] == 0
+    assert last["runtime/rollout_jobs_resumed_total"] >= 1 and last["runtime/rollout_leases_revoked_total"] == 1
+    # The steps past the last commit and the one in flight, at most the commit interval.
+    assert 1 <= last["runtime/rollout_steps_recomputed_total"] <= COMMIT_EVERY
+    assert same(weights(tmp_path), weights(local_run))
+
+
+def test_a_notice_commits_mid_rollout_and_nothing_is_recomputed(tiny_model_dir, local_run, cluster, tmp_path, monkeypatch):
+    from spotlight.train import run_training
+
+    def warn_then_kill(c, name):
+        c.imds[name].schedule_interruption(lead_s=2.0)  # the node's metadata endpoint announces the reclaim
+        threading.Timer(2.0, c.remove_node, args=(name,)).start()
+
+    struck = strike_when_past_a_commit(cluster, monkeypatch, warn_then_kill)
+    run_training(recipe(tiny_model_dir, rollouts="cluster", ray_address=cluster.address), tmp_path, progress=False)
+    assert struck, "no spot worker held a rollout job past a commit"
+    time.sleep(0.1)
+    last = read_metrics(tmp_path)[-1]
+    assert last["runtime/rollout_leases_released_total"] >= 1 and last["runtime/rollout_leases_revoked_total"] == 0
+    assert last["runtime/rollout_steps_recomputed_total"] == 0
+    assert last["runtime/rollout_jobs_submitted_total"] == last["runtime/rollout_jobs_done_total"]
+    assert same(weights(tmp_path), weights(local_run))
+
+
+def test_the_cli_trains_on_a_replayed_trace(tiny_model_dir, local_run, tmp_path):
+    """`spotlight train ... runtime.rollouts=cluster runtime.trace=FILE`: a cluster in a process of its
+    own adds and kills spot nodes along the trace (here about every second); the run ends with the
+    local run's weights and says what the runtime went through."""
+    trace = tmp_path / "trace.csv"  # Bamboo's format: seconds,instances
+    trace.write_text("".join(f"{t},{n}\n" for t, n in [(0, 2), (4, 1), (7, 2), (10, 1), (13, 2), (16, 1), (19, 2)]) + "22,2\n")
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"model.path={tiny_model_dir}", "sample.num_steps=6", "sample.autocast=none", "sample.batch_size=2", "reward.weights={jpeg_compressibility: 1.0}",
+        f"train.num_iterations={ITERATIONS}", "train.prompts_per_iteration=3", "train.group_size=4", "train.minibatch_size=6",
+        "train.max_minutes=0", "log.wandb_mode=disabled", "log.images_every=0", f"log.checkpoint_every={ITERATIONS}",
+        "data.num_heldout=8", "runtime.job_size=2", f"runtime.commit_every={COMMIT_EVERY}", "runtime.rollouts=cluster",
+        f"runtime.trace={trace}", "runtime.trace_nodes=2", "runtime.trace_window_s=22", "runtime.trace_compress=4",
+        "runtime.trace_start_s=0", "runtime.trace_notice_s=1",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "spotlight.cli", "train", "configs/dit/tiny-shapes.yaml", *overrides, "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ, WANDB_MODE="disabled"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "runtime: rollouts cluster" in proc.stdout and "preemptions" in proc.stdout
+    applied = (run_dir / "replay.jsonl").read_text()
+    assert '"kind": "add"' in applied and '"kind": "notice"' in applied
+    last = read_metrics(run_dir)[-1]
+    assert last["runtime/rollout_jobs_submitted_total"] == last["runtime/rollout_jobs_done_total"]
+    assert last["runtime/duplicated_results_total"] == 0
+    assert same(weights(run_dir), weights(local_run))
