@@ -95,6 +95,8 @@ class Runtime:
         auto_form: form groups from free workers on every tick (False: the caller forms them).
         regroup: merge fragments when free workers could make a running group larger.
         membership_s: how often a tick looks at the cluster's nodes (`WorkerPool.maintain`).
+        idle_tick_s: the loop period while nobody waits for results (`wait`): on a shared CPU
+            every wake-up of the loop stalls the caller's compute threads a little.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class Runtime:
         auto_form: bool = True,
         regroup: bool = True,
         membership_s: float = 0.25,
+        idle_tick_s: float = 0.5,
     ):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -121,6 +124,8 @@ class Runtime:
         self.auto_form = auto_form
         self.regroup = regroup
         self.membership_s = membership_s
+        self.idle_tick_s = max(idle_tick_s, tick_s)
+        self._waiters = 0  # callers in `wait`: the loop ticks fast for them
         self.queue = ray.remote(JobQueue).options(
             num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(pool.here, soft=False)
         ).remote(lease_timeout_s=lease_timeout_s, handoff=handoff and policy == "pull")
@@ -140,6 +145,7 @@ class Runtime:
         self.outcomes: list[GroupOutcome] = []
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake_loop = threading.Event()
         self._error: BaseException | None = None
         self._t0: float | None = None
         self._t_last: float | None = None
@@ -195,6 +201,8 @@ class Runtime:
     def take(self, job_ids: Sequence[int]) -> dict[int, Result]:
         """The results among `job_ids` delivered so far; each is handed out once."""
         with self._lock:
+            if any(j not in self._results for j in job_ids):
+                self._collect()  # what the queue holds now, whatever the loop's pace
             return {j: self._results.pop(j) for j in job_ids if j in self._results}
 
     def wait(self, job_ids: Sequence[int], timeout_s: float, *, take: bool = True) -> dict[int, Result]:
@@ -207,6 +215,16 @@ class Runtime:
         want = set(job_ids)
         got: dict[int, Result] = {}
         deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._waiters += 1
+        self._wake_loop.set()
+        try:
+            return self._wait(want, got, deadline, timeout_s, take)
+        finally:
+            with self._lock:
+                self._waiters -= 1
+
+    def _wait(self, want: set[int], got: dict[int, Result], deadline: float, timeout_s: float, take: bool) -> dict[int, Result]:
         while True:
             with self._arrived:
                 got.update(self.take(want - got.keys()))
@@ -255,7 +273,8 @@ class Runtime:
                     self._error = err
                     self._arrived.notify_all()
                 return
-            self._stop.wait(self.tick_s)
+            self._wake_loop.wait(self.tick_s if self._waiters else self.idle_tick_s)
+            self._wake_loop.clear()
 
     def tick(self) -> list[GroupOutcome]:
         """One round: react to pool events, form and start groups of free workers, collect results."""
@@ -270,6 +289,12 @@ class Runtime:
                 if self.regroup:
                     self._merge_fragments()
                 self.form_free()
+            self._collect()
+            return outcomes
+
+    def _collect(self) -> None:
+        """Take the queue's new results (each job once; a second delivery is counted, not kept)."""
+        with self._lock:
             fresh = self._ray.get(self.queue.results.remote(self._cursor))
             self._cursor += len(fresh)
             for r in fresh:
@@ -282,7 +307,6 @@ class Runtime:
             if fresh:
                 self._t_last = time.monotonic()
                 self._arrived.notify_all()
-            return outcomes
 
     def form_free(self) -> list[Group]:
         """Form groups of the free workers of each pool (`plan_groups`) and start them on the queue;
@@ -331,8 +355,10 @@ class Runtime:
             self._merging.discard(out.group_id)
             # Fence the group's id and requeue its job from the last commit (a released group has none).
             revoked = self._ray.get(self.queue.worker_lost.remote(out.group_id))
-            if revoked and out.dead:
-                self.pool.nodes_hit.update(self.pool.node_of(w) for w in out.dead)
+            if revoked:
+                self.pool.wake()  # idle workers take the requeued job now
+                if out.dead:
+                    self.pool.nodes_hit.update(self.pool.node_of(w) for w in out.dead)
             if self.policy == "push" and (out.broken or out.released):
                 self._orphaned.append(out.group_id)
         if self.policy == "push" and self._orphaned:
@@ -390,6 +416,7 @@ class Runtime:
         """Stop the loop, close the queue (groups get STOP and return), drop it; the last report."""
         ray = self._ray
         self._stop.set()
+        self._wake_loop.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
         report = None

@@ -103,6 +103,10 @@ class RunReport:
     """time.monotonic() when its first step finished (the clock is system-wide on Linux)."""
     busy_s: float = 0.0
     """Seconds spent running jobs (steps and the queue calls between them), not waiting for one."""
+    step_s: float = 0.0
+    """Of which seconds inside the runner (`start`, `advance`, `commit`, `output`): the rest is the runtime's."""
+    weights_s: float = 0.0
+    """Seconds loading weights versions through the queue."""
 
 
 def _is_collective_failure(err: Exception) -> bool:
@@ -135,7 +139,9 @@ class Worker:
             without changing the bits (thread counts would).
         num_threads: torch CPU threads.
         poll_s: first wait between pulls when the queue has nothing for it; doubles up to
-            `idle_poll_s` while idle, and `wake` cuts it short.
+            `idle_poll_s` while idle, and `wake` cuts it short (the driver wakes idle workers when
+            jobs are submitted or requeued, so idle workers need not poll often: on a shared CPU
+            every wake-up stalls the trainer's threads).
         idle_poll_s: the longest wait between pulls.
         imds_endpoint: instance-metadata endpoint to watch for notices; None: no watcher.
         imds_poll_s: the watcher's poll interval.
@@ -154,7 +160,7 @@ class Worker:
         step_s: float = 0.0,
         num_threads: int = 1,
         poll_s: float = 0.02,
-        idle_poll_s: float = 0.25,
+        idle_poll_s: float = 2.0,
         imds_endpoint: str | None = None,
         imds_poll_s: float = 0.5,
         drain_on_notice: bool = True,
@@ -360,8 +366,10 @@ class Worker:
                     continue
                 wait_s = self.poll_s
                 if isinstance(msg, WeightsUpdate):
+                    t0 = time.monotonic()
                     handle = handle or ray.get(queue.weights.remote(msg.version))
                     self.runner.load_weights(msg.version, ray.get(handle[0]))
+                    report.weights_s += time.monotonic() - t0
                     self._set_version(msg.version)
                     version = msg.version
                     report.weight_loads += 1
@@ -406,9 +414,12 @@ class Worker:
         job, rank0 = lease.job, self._rank == 0
         runner = self.runner
         step = lease.step
+        t_start = time.monotonic()
         state = runner.start(job.payload, step, lease.state)
+        report.step_s += time.monotonic() - t_start
         stale = release = False
         ack = ACCEPTED
+        acks: list = []  # rank 0: refs of the reports whose answers it has not read yet, in order
         while True:
             notice, stale, release = self._agree(self._notice.is_set(), stale, release)
             if stale:
@@ -433,6 +444,7 @@ class Worker:
                 return
             t0 = time.monotonic()
             state = runner.advance(state)
+            report.step_s += time.monotonic() - t0
             step += 1
             report.steps += 1
             pad = self.step_s - (time.monotonic() - t0)
@@ -448,17 +460,35 @@ class Worker:
                     report.abandoned += ack == STALE
                 return
             if rank0:
+                # Reports are not waited for: on a busy machine the queue's answer can take a
+                # scheduling slice, every step. Answers are read as they arrive (a STALE, HANDOFF
+                # or YIELD acts a step or two later); calls from one caller reach the queue in order.
                 if step % self.commit_every == 0:
-                    ack = self._commit(queue, lease.lease_id, step, runner.commit(state))
+                    acks.append(self._commit(queue, lease.lease_id, step, runner.commit(state)))
                 else:
-                    ack = ray.get(queue.progress.remote(lease.lease_id, step))  # renews the lease
-                stale, release = ack == STALE, ack in RELEASE_ACKS
+                    acks.append(queue.progress.remote(lease.lease_id, step))  # renews the lease
+                for answer in self._answers(acks):
+                    stale = stale or answer == STALE
+                    if answer in RELEASE_ACKS:
+                        release, ack = True, answer
 
-    def _commit(self, queue, lease_id: int, step: int, saved: Any) -> str:
-        """One periodic commit (a method of its own: fault-injection tests override it)."""
+    _MAX_UNREAD = 2
+    """Reports rank 0 may have in flight before it waits for the oldest answer (backpressure)."""
+
+    def _answers(self, acks: list) -> list[str]:
+        """The answers that arrived, oldest first (removed from `acks`); waits only when too many are unread."""
         import ray
 
-        return ray.get(queue.commit.remote(lease_id, step, saved))
+        ready = set(ray.wait(acks, num_returns=len(acks), timeout=0)[0])
+        out = []
+        while acks and (acks[0] in ready or len(acks) > self._MAX_UNREAD):
+            out.append(ray.get(acks.pop(0)))
+        return out
+
+    def _commit(self, queue, lease_id: int, step: int, saved: Any):
+        """One periodic commit, not waited for: its answer's ref (a method of its own: fault-injection
+        tests override it)."""
+        return queue.commit.remote(lease_id, step, saved)
 
     def first_step(self) -> float | None:
         """time.monotonic() when the current (or last) `run` finished its first step; readable during `run`."""

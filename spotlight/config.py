@@ -285,6 +285,10 @@ class RuntimeConfig:
     """Give up (an error) when an iteration's rollout jobs are not all done after this long (no live worker)."""
     startup_timeout_s: float = 120.0
     """Wait up to this long at start-up for the workers to load the model; later ones join when ready."""
+    notice_poll_s: float = 0.5
+    """How often a spot worker polls its metadata endpoint for an interruption notice (AWS warns 120 s ahead)."""
+    emulated_step_s: float = 0.0
+    """Minimum wall time of one denoising step on a worker, the rest slept: emulates a slower device (benchmarks and tests); 0 = off."""
     imds_endpoint: str = ""
     """Instance-metadata endpoint spot workers poll for interruption notices (AWS: http://169.254.169.254); empty: none, except a trace replay's fake ones."""
     trace: str = ""
@@ -309,13 +313,15 @@ class RuntimeConfig:
         for name in ("spot_nodes", "on_demand_workers", "job_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"runtime.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lease_timeout_s", "rollout_timeout_s", "trace_window_s", "trace_compress"):
+        for name in ("lease_timeout_s", "rollout_timeout_s", "trace_window_s", "trace_compress", "notice_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"runtime.{name} must be > 0, got {getattr(self, name)}")
         if self.trace and self.ray_address:
             raise ValueError("runtime.trace replays a trace on a local cluster; it cannot drive runtime.ray_address's cluster")
         if self.trace and self.trace_nodes < 1:
             raise ValueError(f"runtime.trace_nodes must be >= 1, got {self.trace_nodes}")
+        if self.emulated_step_s < 0:
+            raise ValueError(f"runtime.emulated_step_s must be >= 0, got {self.emulated_step_s}")
         if self.trace_notice_s < 0:
             raise ValueError(f"runtime.trace_notice_s must be >= 0, got {self.trace_notice_s}")
 

@@ -322,7 +322,10 @@ def start_runtime(cfg: DiTRecipe, run_dir: str | Path) -> SpotRuntime:
             partial(DiTRunner, cfg),
             sp_degree=cfg.parallel.sp_degree,
             on_demand_workers=r.on_demand_workers if r.rollouts == "cluster" else 0,
-            worker_kwargs={"commit_every": r.commit_every, "num_threads": r.worker_threads},
+            worker_kwargs={
+                "commit_every": r.commit_every, "num_threads": r.worker_threads,
+                "imds_poll_s": r.notice_poll_s, "step_s": r.emulated_step_s,
+            },  # fmt: skip
             imds_endpoint=r.imds_endpoint or None,
             gpu=gpu,
         )

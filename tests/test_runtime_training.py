@@ -144,7 +144,13 @@ def test_a_notice_commits_mid_rollout_and_nothing_is_recomputed(tiny_model_dir, 
         threading.Timer(2.0, c.remove_node, args=(name,)).start()
 
     struck = strike_when_past_a_commit(cluster, monkeypatch, warn_then_kill)
-    run_training(recipe(tiny_model_dir, rollouts="cluster", ray_address=cluster.address), tmp_path, progress=False)
+    # Steps of at least 0.15 s (emulated slower device) and a 20 ms metadata poll: the notice is seen
+    # while the struck job still has steps to go (its 6 steps take tens of ms on this tiny model, so
+    # at full speed the job could end before a 0.5 s poll sees the notice).
+    run_training(
+        recipe(tiny_model_dir, rollouts="cluster", ray_address=cluster.address, notice_poll_s=0.02, emulated_step_s=0.15),
+        tmp_path, progress=False,
+    )  # fmt: skip
     assert struck, "no spot worker held a rollout job past a commit"
     time.sleep(0.1)
     last = read_metrics(tmp_path)[-1]
