@@ -1,23 +1,26 @@
 """Training through preemptions: the tiny recipe with its rollouts on the spot runtime under a replayed
 trace, against the same recipe with local rollouts, side by side in one run.
 
-Three `spotlight train` runs of the tiny recipe (configs/dit/tiny-shapes.yaml), each in a process of
-its own, for the same fixed number of iterations (`--iterations`, no time budget, explore.mode=none
-unless `--explore`):
+`spotlight train` runs of the tiny recipe (configs/dit/tiny-shapes.yaml), each in a process of its
+own, for the same fixed number of iterations (`--iterations`, no time budget, explore.mode=none):
 
     local     runtime.rollouts=local: the trainer rolls out itself (the baseline, what a user of
               the trainer without the runtime runs)
     static    runtime.rollouts=cluster on a local cluster of fixed nodes (the on-demand worker on the
-              trainer's node and runtime.spot_nodes spot nodes): no preemption
-    trace     runtime.rollouts=cluster while a local cluster adds and kills spot nodes along the
-              trace (`runtime.trace`: rescaled to `--nodes`, a `--window-s` stretch, compressed
-              `--compress` times and replayed in a loop), with `--notice-s S` a notice S trace seconds
-              ahead through each node's fake metadata endpoint
+              trainer's node and `--spot-nodes` spot nodes): no preemption
+    traceK    one per trace and notice lead: runtime.rollouts=cluster while a local cluster adds and
+              kills spot nodes along the trace (`runtime.trace`: rescaled to `--nodes`, a
+              `--window-s` stretch, compressed `--compress` times and replayed in a loop), with
+              `--notice-s S` > 0 a notice S trace seconds ahead through each node's fake metadata
+              endpoint
+    explore   with `--explore`: the first trace's run at the first notice lead with
+              explore.mode=stale (exploration jobs on the spot workers, at a lower priority)
 
-Reported (one JSON line with --json):
+One JSON line per trace and notice lead (the local and static runs are shared):
 
     preemptions                       spot nodes the trace run's runtime saw die
-    preemptions_hitting_work          of which the ones that ended a lease with a job in flight
+    preemptions_hitting_work          of which the ones that ended a lease with a job in flight (a
+                                      kill, or a notice that made the worker commit and hand it back)
     lost_rollouts, duplicated_results rollout jobs never delivered / delivered twice (trace run)
     recomputed_steps_per_preemption   rollout steps lost over the preemptions that hit work: steps
                                       done after the job's last commit and the step in flight when
@@ -28,19 +31,19 @@ Reported (one JSON line with --json):
     iteration_time_ratio_cluster_over_local   median iteration time, static over local (iterations
                                       after the first two), and `where_time_goes`: the median of
                                       each phase in both runs
-
-With `--explore`, the static and trace runs use explore.mode=stale as well, and a fourth run repeats
-the trace run with explore.mode=none: `critical_path_ratio_stale_over_none` is the median iteration
-time with exploration over without (both on the cluster under the trace), and `explore` gives the
-exploration jobs' preemption accounting.
+    explore                           with `--explore`: `critical_path_ratio_stale_over_none`, the
+                                      median iteration time of the explore run over the same trace
+                                      run without exploration; nothing lost; the exploration jobs'
+                                      accounting (preempted ones: leases revoked and steps lost)
 
 The window defaults per trace (`WINDOWS`) are chosen so that preemptions land on work: the run lasts
 a few minutes, and the busiest stretch of each trace, compressed, brings several preemptions into
-it (a preemption while the trainer updates finds the rollout workers idle).
+it (a preemption while the trainer updates finds the rollout workers idle). The runs share 2 cores:
+the spot nodes are processes on this machine (emulated capacity, time-sliced with the trainer).
 
-    .venv/bin/python benchmarks/spot_training.py --trace traces/bamboo-g4dn-us-east-1c.csv --json
+    .venv/bin/python benchmarks/spot_training.py --trace traces/*.csv traces/*.jsonl --notice-s 0 120 --explore --json
     .venv/bin/python benchmarks/spot_training.py --trace traces/parcae-p3-aws.csv --notice-s 120 --json
-    .venv/bin/python benchmarks/spot_training.py --trace traces/parcae-aws-hh_55_65.jsonl --explore --json
+    .venv/bin/python benchmarks/spot_training.py --trace traces/*.csv traces/*.jsonl --plan-only 200
 """
 
 from __future__ import annotations
@@ -58,11 +61,37 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 WINDOWS = {
-    "bamboo-g4dn-us-east-1c.csv": {"nodes": 3, "window_s": 4800.0, "compress": 40.0},
-    "parcae-p3-aws.csv": {"nodes": 3, "window_s": 9600.0, "compress": 80.0},
-    "parcae-aws-hh_55_65.jsonl": {"nodes": 6, "window_s": 3600.0, "compress": 40.0},
+    "bamboo-g4dn-us-east-1c.csv": {"nodes": 4, "window_s": 9600.0, "compress": 80.0},
+    "parcae-p3-aws.csv": {"nodes": 5, "window_s": 3600.0, "compress": 80.0},
+    "parcae-aws-hh_55_65.jsonl": {"nodes": 6, "window_s": 3600.0, "compress": 80.0},
 }
-"""Per shipped trace: peak spot nodes, stretch (trace seconds) and compression."""
+"""Per shipped trace: peak spot nodes, stretch (trace seconds) and compression. Chosen so that about
+10 nodes live past their worker's start-up (7-10 s) and die within the run's first 200 s: a
+preemption hits work only if the node's worker is up and holds a rollout job (about half of an
+iteration), so the run sees several hits on every trace (`--plan-only` prints these counts)."""
+WORKER_READY_S = 10.0
+"""A local spot node's worker serves jobs about this long after the node is added (docs/spot.md)."""
+
+
+def window_plan(trace, run_s: float, ready_s: float = WORKER_READY_S) -> dict:
+    """What the looped, compressed `trace` does in a run's first `run_s` wall seconds: preemptions,
+    and those of nodes that lived past `ready_s` (the ones that can hit work)."""
+    preempts = ready = loops = 0
+    offset = 0.0
+    while offset < run_s:
+        added: dict[str, float] = {}
+        for ev in trace.events:
+            t = ev.t_s + offset
+            if t > run_s:
+                break
+            if ev.kind == "add":
+                added[ev.node_id] = t
+            elif ev.kind == "preempt":
+                preempts += 1
+                ready += ev.node_id in added and t - added[ev.node_id] > ready_s
+        offset += trace.duration_s
+        loops += 1
+    return {"run_s": run_s, "trace_loop_s": round(trace.duration_s, 1), "loops": loops, "preemptions": preempts, "preemptions_of_ready_nodes": ready}
 DEFAULT_WINDOW = {"nodes": 3, "window_s": 2400.0, "compress": 40.0}
 
 
@@ -123,43 +152,58 @@ def runtime_figures(rows: list[dict], kind: str = "rollout") -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trace", type=Path, required=True, help="trace file (any format spot.traces reads)")
-    p.add_argument("--notice-s", type=float, default=0.0, help="notice lead in trace seconds (0: no notice)")
+    p.add_argument("--trace", type=Path, nargs="+", required=True, help="trace file(s) (any format spot.traces reads)")
+    p.add_argument("--notice-s", type=float, nargs="+", default=[0.0], help="notice lead(s) in trace seconds (0: no notice)")
     p.add_argument("--iterations", type=int, default=24, help="training iterations of every run")
     p.add_argument("--nodes", type=int, default=None, help="peak spot nodes (default: WINDOWS)")
     p.add_argument("--window-s", type=float, default=None, help="stretch of the trace, trace seconds (default: WINDOWS)")
     p.add_argument("--compress", type=float, default=None, help="trace seconds per wall second (default: WINDOWS)")
     p.add_argument("--spot-nodes", type=int, default=1, help="spot nodes of the static run")
-    p.add_argument("--explore", action="store_true", help="stale exploration on the cluster runs, and a run without it")
+    p.add_argument("--explore", action="store_true", help="also a stale-exploration run of the first trace at the first notice lead")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up a run after this long")
     p.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
-    p.add_argument("--json", action="store_true", help="print only the JSON line")
+    p.add_argument("--json", action="store_true", help="print only the JSON lines")
+    p.add_argument("--plan-only", type=float, default=None, metavar="RUN_S",
+                   help="print what each window does in a run's first RUN_S wall seconds, and train nothing")  # fmt: skip
     p.add_argument("overrides", nargs="*", help="more recipe overrides, key=value, for every run")
     args = p.parse_args()
 
-    window = {**DEFAULT_WINDOW, **WINDOWS.get(args.trace.name, {})}
-    for key in ("nodes", "window_s", "compress"):
-        if getattr(args, key) is not None:
-            window[key] = getattr(args, key)
+    windows = {}
+    for path in args.trace:
+        if not path.is_file():
+            p.error(f"--trace {path}: no such file")
+        windows[path] = {**DEFAULT_WINDOW, **WINDOWS.get(path.name, {})}
+        for key in ("nodes", "window_s", "compress"):
+            if getattr(args, key) is not None:
+                windows[path][key] = getattr(args, key)
+    if args.plan_only is not None:
+        from spot.replay import fit_trace
+
+        for path, window in windows.items():
+            fitted, start = fit_trace(path, nodes=int(window["nodes"]), window_s=window["window_s"], compress=window["compress"])
+            print(json.dumps({"trace": path.name, "window": window, "start_s": start, **window_plan(fitted, args.plan_only)}))
+        return
     n = args.iterations
     common = [
         f"train.num_iterations={n}", "train.max_minutes=0", "log.wandb_mode=disabled", "log.images_every=0",
         f"log.checkpoint_every={n}", *args.overrides,
     ]  # fmt: skip
-    explore = ["explore.mode=stale"] if args.explore else []
     cluster = ["runtime.rollouts=cluster"]
-    trace = [
-        f"runtime.trace={args.trace.resolve()}", f"runtime.trace_nodes={window['nodes']}",
-        f"runtime.trace_window_s={window['window_s']}", f"runtime.trace_compress={window['compress']}",
-        f"runtime.trace_notice_s={args.notice_s}",
-    ]  # fmt: skip
-    runs = {
-        "local": common,
-        "static": [*common, *cluster, f"runtime.spot_nodes={args.spot_nodes}", *explore],
-        "trace": [*common, *cluster, *trace, *explore],
-    }
+
+    def trace_args(path: Path, notice_s: float) -> list[str]:
+        w = windows[path]
+        return [
+            f"runtime.trace={path.resolve()}", f"runtime.trace_nodes={w['nodes']}", f"runtime.trace_window_s={w['window_s']}",
+            f"runtime.trace_compress={w['compress']}", f"runtime.trace_notice_s={notice_s}",
+        ]  # fmt: skip
+
+    # One local and one static run serve every trace run: the same recipe, iterations and seeds.
+    runs = {"local": common, "static": [*common, *cluster, f"runtime.spot_nodes={args.spot_nodes}"]}
+    cases = [(path, notice) for path in args.trace for notice in args.notice_s]
+    for k, (path, notice) in enumerate(cases):
+        runs[f"trace{k}"] = [*common, *cluster, *trace_args(path, notice)]
     if args.explore:
-        runs["trace_none"] = [*common, *cluster, *trace]
+        runs["explore"] = [*common, *cluster, *trace_args(args.trace[0], args.notice_s[0]), "explore.mode=stale"]
     root = args.keep or Path(tempfile.mkdtemp(prefix="spot-training-"))
     root.mkdir(parents=True, exist_ok=True)
     rows = {}
@@ -171,41 +215,49 @@ def main() -> None:
             print(f"{name}: median iteration {median_of(rows[name], 'time/iteration_s')} s", file=sys.stderr)
 
     local_w = final_weights(root / "local", n)
-    t = runtime_figures(rows["trace"])
+    static_equal = same_weights(final_weights(root / "static", n), local_w)
+    ratio = round(median_of(rows["static"], "time/iteration_s") / median_of(rows["local"], "time/iteration_s"), 3)
     where = {k.removeprefix("time/"): {name: median_of(rows[name], k) for name in ("local", "static")} for k in PHASES}
     where = {k: v for k, v in where.items() if any(x is not None for x in v.values())}
-    result = {
-        "trace": args.trace.name,
-        "notice_s": args.notice_s,
-        "iterations": n,
-        "window": window,
-        "explore": "stale" if args.explore else "none",
-        "baseline": "the same recipe with runtime.rollouts=local (the trainer rolls out itself)",
-        "preemptions": t["preemptions"],
-        "preemptions_hitting_work": t["preemptions_hitting_work"],
-        "lost_rollouts": t["submitted"] - t["delivered"] - t["cancelled"],
-        "duplicated_results": t["duplicated_results"],
-        "recomputed_steps_per_preemption": t["recomputed_steps_per_preemption"],
-        "jobs_resumed": t["jobs_resumed"],
-        "weights_equal_local": same_weights(final_weights(root / "trace", n), local_w),
-        "weights_equal_local_static": same_weights(final_weights(root / "static", n), local_w),
-        "iteration_time_ratio_cluster_over_local": round(median_of(rows["static"], "time/iteration_s") / median_of(rows["local"], "time/iteration_s"), 3),
-        "where_time_goes": where,
-        "trace_run": t,
-        "runs_dir": str(root),
-    }
-    if args.explore:
-        result["critical_path_ratio_stale_over_none"] = round(
-            median_of(rows["trace"], "time/iteration_s") / median_of(rows["trace_none"], "time/iteration_s"), 3
-        )
-        e = runtime_figures(rows["trace"], "explore")
-        e["yielded_to_rollouts"] = rows["trace"][-1].get("runtime/explore_leases_yielded_total", 0)
-        e["prompts_selected_per_iteration"] = median_of(rows["trace"], "explore/prompts_selected")
-        e["fallback_late_per_iteration"] = median_of(rows["trace"], "explore/fallback_late")
-        result["explore_jobs"] = e
-        result["weights_equal_local"] = None  # stale exploration picks its seeds by timing: not comparable
-        result["weights_equal_local_static"] = None
-    print(json.dumps(result), flush=True)
+    for k, (path, notice) in enumerate(cases):
+        t = runtime_figures(rows[f"trace{k}"])
+        result = {
+            "trace": path.name,
+            "notice_s": notice,
+            "iterations": n,
+            "window": windows[path],
+            "baseline": "the same recipe with runtime.rollouts=local (the trainer rolls out itself)",
+            "preemptions": t["preemptions"],
+            "preemptions_hitting_work": t["preemptions_hitting_work"],
+            "lost_rollouts": t["submitted"] - t["delivered"] - t["cancelled"],
+            "duplicated_results": t["duplicated_results"],
+            "recomputed_steps_per_preemption": t["recomputed_steps_per_preemption"],
+            "jobs_resumed": t["jobs_resumed"],
+            "weights_equal_local": same_weights(final_weights(root / f"trace{k}", n), local_w),
+            "weights_equal_local_static": static_equal,
+            "iteration_time_ratio_cluster_over_local": ratio,
+            "iteration_time_ratio_trace_over_local": round(median_of(rows[f"trace{k}"], "time/iteration_s") / median_of(rows["local"], "time/iteration_s"), 3),
+            "where_time_goes": where,
+            "trace_run": t,
+            "runs_dir": str(root / f"trace{k}"),
+        }
+        if args.explore and k == 0:
+            e_rows = rows["explore"]
+            e = runtime_figures(e_rows, "explore")
+            e["yielded_to_rollouts"] = e_rows[-1].get("runtime/explore_leases_yielded_total", 0)
+            e["prompts_selected_per_iteration"] = median_of(e_rows, "explore/prompts_selected")
+            e["fallback_late_per_iteration"] = median_of(e_rows, "explore/fallback_late")
+            r = runtime_figures(e_rows)
+            result["explore"] = {
+                "baseline": f"the same trace run with explore.mode=none ({result['runs_dir']})",
+                "critical_path_ratio_stale_over_none": round(median_of(e_rows, "time/iteration_s") / median_of(rows[f"trace{k}"], "time/iteration_s"), 3),
+                "lost_rollouts": r["submitted"] - r["delivered"] - r["cancelled"],
+                "duplicated_results": r["duplicated_results"],
+                "rollout_run": r,
+                "explore_jobs": e,
+                "runs_dir": str(root / "explore"),
+            }
+        print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

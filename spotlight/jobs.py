@@ -19,8 +19,8 @@ from a commit gives the bits the uninterrupted job gives, and a rollout job give
 trainer's own `rollout.rollout` gives for the same rows in batches of the same size (fixed prompt
 padding, per-sample noise; `tests/test_runtime_training.py`). Jobs of another size than the local
 rollout's chunks (`sample.batch_size`) give the same bits only where the matmuls round the same
-at both batch sizes: so on the tiny recipe here (jobs of 16 against chunks of 128, float32 and
-bfloat16), not on every model and CPU (a smaller tiny model differs in the last bit).
+at both batch sizes: so on the tiny recipe here (jobs of 16, 32 or 64 against chunks of 128,
+float32 and bfloat16), not on every model and CPU (a smaller tiny model differs in the last bit).
 
 Only the latents the update reads travel back (`RolloutJob.keep`): for Flow-GRPO those before and
 after each stochastic step, for DiffusionNFT the final one. `assemble_rollout` puts the jobs'
@@ -292,12 +292,12 @@ def explore_num_steps(cfg: DiTRecipe, job: ExploreJob) -> int:
 
 
 def rollout_jobs(cfg: DiTRecipe, prompts: Sequence[str], seeds: Sequence[int], sde_steps: Sequence[int]) -> list[RolloutJob]:
-    """An iteration's rows cut into jobs of `runtime.job_size` rows, in order."""
+    """An iteration's rows cut into jobs of `runtime.job_size` rows (at most `sample.batch_size`), in order."""
     n = cfg.sample.num_steps
     keep = {n}
     if cfg.train.objective == "flow_grpo":
         keep |= {j for s in sde_steps for j in (s, s + 1)}
-    size = cfg.runtime.job_size or cfg.train.group_size
+    size = min(cfg.runtime.job_size or cfg.train.group_size, cfg.sample.batch_size)
     return [
         RolloutJob(list(prompts[lo : lo + size]), list(seeds[lo : lo + size]), list(sde_steps), sorted(keep))
         for lo in range(0, len(prompts), size)

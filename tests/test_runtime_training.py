@@ -187,3 +187,22 @@ def test_the_cli_trains_on_a_replayed_trace(tiny_model_dir, local_run, tmp_path)
     assert last["runtime/rollout_jobs_submitted_total"] == last["runtime/rollout_jobs_done_total"]
     assert last["runtime/duplicated_results_total"] == 0
     assert same(weights(run_dir), weights(local_run))
+
+
+def test_rollout_jobs_cut_the_rows_in_order_and_never_exceed_the_forward_batch():
+    """runtime.job_size rows per job (0: a group), capped at sample.batch_size: the forward batch a
+    user sized to the device's memory (a GPU recipe's 8 against the default 32)."""
+    from spotlight.jobs import rollout_jobs
+
+    prompts, seeds = [f"p{i // 4}" for i in range(12)], list(range(100, 112))
+
+    def sizes(**over) -> list[int]:
+        cfg = from_dict(DiTRecipe, {"train": {"group_size": 4}, **over})
+        jobs = rollout_jobs(cfg, prompts, seeds, [])
+        assert [s for j in jobs for s in j.seeds] == seeds and [p for j in jobs for p in j.prompts] == prompts
+        return [len(j.seeds) for j in jobs]
+
+    assert sizes(runtime={"job_size": 5}) == [5, 5, 2]
+    assert sizes(runtime={"job_size": 0}) == [4, 4, 4]
+    assert sizes(runtime={"job_size": 32}, sample={"batch_size": 8}) == [8, 4]
+    assert sizes() == [12]  # the default 32 rows, under the tiny recipe's forward batch of 128
