@@ -8,6 +8,8 @@ own, for the same fixed number of iterations (`--iterations`, no time budget, ex
               the trainer without the runtime runs)
     static    runtime.rollouts=cluster on a local cluster of fixed nodes (the on-demand worker on the
               trainer's node and `--spot-nodes` spot nodes): no preemption
+              (local and static alternate `--pairs` times: the machine's speed drifts by 10-20%
+              over minutes, and one run of each would measure the drift)
     traceK    one per trace and notice lead: runtime.rollouts=cluster while a local cluster adds and
               kills spot nodes along the trace (`runtime.trace`: rescaled to `--nodes`, a
               `--window-s` stretch, compressed `--compress` times and replayed in a loop), with
@@ -29,8 +31,9 @@ One JSON line per trace and notice lead (the local and static runs are shared):
     weights_equal_local               the final trainable weights of the trace run (and of the
                                       static run) equal the local run's, bit for bit
     iteration_time_ratio_cluster_over_local   median iteration time, static over local (iterations
-                                      after the first two), and `where_time_goes`: the median of
-                                      each phase in both runs
+                                      after the first two), the median over the pairs (each pair's
+                                      in `..._pairs`), and `where_time_goes`: the median of each
+                                      phase over the runs of each kind
     explore                           with `--explore`: `critical_path_ratio_stale_over_none`, the
                                       median iteration time of the explore run over the same trace
                                       run without exploration; nothing lost; the exploration jobs'
@@ -51,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -154,14 +158,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", type=Path, nargs="+", required=True, help="trace file(s) (any format spot.traces reads)")
     p.add_argument("--notice-s", type=float, nargs="+", default=[0.0], help="notice lead(s) in trace seconds (0: no notice)")
+    p.add_argument("--notice-poll-s", type=float, default=0.1,
+                   help="runtime.notice_poll_s of the runs with a notice: the compressed lead (120 s / 80 = 1.5 s wall) "
+                        "then holds 15 polls, where a real 120 s notice holds 60 of the watcher's 2 s polls")  # fmt: skip
     p.add_argument("--iterations", type=int, default=24, help="training iterations of every run")
     p.add_argument("--nodes", type=int, default=None, help="peak spot nodes (default: WINDOWS)")
     p.add_argument("--window-s", type=float, default=None, help="stretch of the trace, trace seconds (default: WINDOWS)")
     p.add_argument("--compress", type=float, default=None, help="trace seconds per wall second (default: WINDOWS)")
     p.add_argument("--spot-nodes", type=int, default=1, help="spot nodes of the static run")
+    p.add_argument("--pairs", type=int, default=2, help="local and static runs, alternated, this many of each")
     p.add_argument("--explore", action="store_true", help="also a stale-exploration run of the first trace at the first notice lead")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up a run after this long")
     p.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    p.add_argument("--resume", action="store_true",
+                   help="with --keep: read the runs that already finished there with the same overrides (their "
+                        "NAME.args.json and final checkpoint), and run only the others")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print only the JSON lines")
     p.add_argument("--plan-only", type=float, default=None, metavar="RUN_S",
                    help="print what each window does in a run's first RUN_S wall seconds, and train nothing")  # fmt: skip
@@ -195,10 +206,16 @@ def main() -> None:
         return [
             f"runtime.trace={path.resolve()}", f"runtime.trace_nodes={w['nodes']}", f"runtime.trace_window_s={w['window_s']}",
             f"runtime.trace_compress={w['compress']}", f"runtime.trace_notice_s={notice_s}",
+            *([f"runtime.notice_poll_s={args.notice_poll_s}"] if notice_s > 0 else []),
         ]  # fmt: skip
 
     # One local and one static run serve every trace run: the same recipe, iterations and seeds.
-    runs = {"local": common, "static": [*common, *cluster, f"runtime.spot_nodes={args.spot_nodes}"]}
+    if args.pairs < 1:
+        p.error(f"--pairs must be >= 1, got {args.pairs}")
+    pairs = [("local", "static")] + [(f"local{i}", f"static{i}") for i in range(1, args.pairs)]
+    runs = {}
+    for lo, st in pairs:
+        runs[lo], runs[st] = common, [*common, *cluster, f"runtime.spot_nodes={args.spot_nodes}"]
     cases = [(path, notice) for path in args.trace for notice in args.notice_s]
     for k, (path, notice) in enumerate(cases):
         runs[f"trace{k}"] = [*common, *cluster, *trace_args(path, notice)]
@@ -207,23 +224,56 @@ def main() -> None:
     root = args.keep or Path(tempfile.mkdtemp(prefix="spot-training-"))
     root.mkdir(parents=True, exist_ok=True)
     rows = {}
-    for name, overrides in runs.items():
+
+    if args.resume and args.keep is None:
+        p.error("--resume needs --keep DIR (where the earlier runs are)")
+
+    def run(name: str) -> list[dict]:
+        from spotlight.tracking import read_metrics
+
+        record = root / f"{name}.args.json"
+        done = (root / name / "checkpoints" / f"step-{n:08d}").is_dir()
+        if args.resume and done and record.is_file() and json.loads(record.read_text()) == runs[name]:
+            rows[name] = read_metrics(root / name)
+            if not args.json:
+                print(f"{name}: read from {root / name} (--resume)", file=sys.stderr)
+            return rows[name]
         if not args.json:
-            print(f"{name}: spotlight train ... {' '.join(overrides[len(common):])}", file=sys.stderr)
-        rows[name] = train(root / name, overrides, args.timeout_s)
+            print(f"{name}: spotlight train ... {' '.join(runs[name][len(common):])}", file=sys.stderr)
+        if (root / name).exists():
+            shutil.rmtree(root / name)  # a run cut short, or of other overrides: from the start
+        record.write_text(json.dumps(runs[name]))
+        rows[name] = train(root / name, runs[name], args.timeout_s)
         if not args.json:
             print(f"{name}: median iteration {median_of(rows[name], 'time/iteration_s')} s", file=sys.stderr)
+        return rows[name]
 
+    # The shared runs first; then each trace run, its line printed as soon as it ends (a long
+    # invocation stopped early keeps the lines it printed). The exploration run follows the run it
+    # is compared with.
+    for lo, st in pairs:
+        run(lo)
+        run(st)
     local_w = final_weights(root / "local", n)
-    static_equal = same_weights(final_weights(root / "static", n), local_w)
-    ratio = round(median_of(rows["static"], "time/iteration_s") / median_of(rows["local"], "time/iteration_s"), 3)
-    where = {k.removeprefix("time/"): {name: median_of(rows[name], k) for name in ("local", "static")} for k in PHASES}
+    # Every rerun trains the same bits (the check that the pairs time the same work).
+    static_equal = all(same_weights(final_weights(root / name, n), local_w) for pair in pairs for name in pair[1:])
+    reruns_equal = all(same_weights(final_weights(root / lo, n), local_w) for lo, _ in pairs[1:])
+    pair_ratios = [median_of(rows[st], "time/iteration_s") / median_of(rows[lo], "time/iteration_s") for lo, st in pairs]
+    ratio = round(statistics.median(pair_ratios), 3)
+
+    def phase(kind: int, key: str) -> float | None:
+        values = [median_of(rows[pair[kind]], key) for pair in pairs]
+        return None if None in values else round(statistics.median(values), 4)
+
+    where = {k.removeprefix("time/"): {"local": phase(0, k), "static": phase(1, k)} for k in PHASES}
     where = {k: v for k, v in where.items() if any(x is not None for x in v.values())}
     for k, (path, notice) in enumerate(cases):
-        t = runtime_figures(rows[f"trace{k}"])
+        t = runtime_figures(run(f"trace{k}"))
         result = {
             "trace": path.name,
             "notice_s": notice,
+            "notice_wall_s": round(notice / windows[path]["compress"], 3),
+            "notice_poll_s": args.notice_poll_s if notice > 0 else None,
             "iterations": n,
             "window": windows[path],
             "baseline": "the same recipe with runtime.rollouts=local (the trainer rolls out itself)",
@@ -236,13 +286,15 @@ def main() -> None:
             "weights_equal_local": same_weights(final_weights(root / f"trace{k}", n), local_w),
             "weights_equal_local_static": static_equal,
             "iteration_time_ratio_cluster_over_local": ratio,
+            "iteration_time_ratio_cluster_over_local_pairs": [round(r, 3) for r in pair_ratios],
+            "local_reruns_weights_equal": reruns_equal,
             "iteration_time_ratio_trace_over_local": round(median_of(rows[f"trace{k}"], "time/iteration_s") / median_of(rows["local"], "time/iteration_s"), 3),
             "where_time_goes": where,
             "trace_run": t,
             "runs_dir": str(root / f"trace{k}"),
         }
         if args.explore and k == 0:
-            e_rows = rows["explore"]
+            e_rows = run("explore")
             e = runtime_figures(e_rows, "explore")
             e["yielded_to_rollouts"] = e_rows[-1].get("runtime/explore_leases_yielded_total", 0)
             e["prompts_selected_per_iteration"] = median_of(e_rows, "explore/prompts_selected")
@@ -258,7 +310,6 @@ def main() -> None:
                 "runs_dir": str(root / "explore"),
             }
         print(json.dumps(result), flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,10 @@ every 2 s. Each request times out after 1 s (the service answers in milliseconds
 Off EC2 (or with the metadata endpoint disabled, or a container behind a hop limit of 1) the
 endpoint does not answer. The watcher then logs one warning, saying preemptions will only be seen
 when the node dies (Ray's death detection), and keeps polling every 30 s in case it comes up;
-when it does, it carries on silently.
+when it does, it carries on silently. An endpoint that has answered before and then misses a poll
+(a timeout on a busy node) is retried at the normal interval for `transient_failures` polls in a
+row before the watcher slows down: backing off 30 s after one slow answer would miss most of a
+120 s notice.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ class MetadataWatcher:
         endpoint: base URL of the metadata service.
         poll_interval_s: time between polls while the endpoint answers.
         unreachable_poll_interval_s: time between polls while it does not.
+        transient_failures: misses in a row, after the endpoint has answered once, still retried at
+            `poll_interval_s` (a slow answer on a busy node is not an endpoint that went away).
         timeout_s: timeout of each HTTP request.
         token_ttl_s: lifetime requested for each IMDSv2 token; it is renewed before it expires.
         callbacks: called with each new `Notice`.
@@ -95,6 +100,7 @@ class MetadataWatcher:
         *,
         poll_interval_s: float = 2.0,
         unreachable_poll_interval_s: float = 30.0,
+        transient_failures: int = 10,
         timeout_s: float = 1.0,
         token_ttl_s: int = MAX_TOKEN_TTL_S,
         callbacks: tuple[Callable[[Notice], object], ...] = (),
@@ -103,9 +109,12 @@ class MetadataWatcher:
             raise ValueError(f"token_ttl_s must be in [1, {MAX_TOKEN_TTL_S}], got {token_ttl_s}")
         if poll_interval_s <= 0 or unreachable_poll_interval_s <= 0 or timeout_s <= 0:
             raise ValueError("poll intervals and timeout_s must be > 0")
+        if transient_failures < 0:
+            raise ValueError(f"transient_failures must be >= 0, got {transient_failures}")
         self.endpoint = endpoint.rstrip("/")
         self.poll_interval_s = poll_interval_s
         self.unreachable_poll_interval_s = unreachable_poll_interval_s
+        self.transient_failures = transient_failures
         self.timeout_s = timeout_s
         self.token_ttl_s = token_ttl_s
         self._callbacks: list[Callable[[Notice], object]] = list(callbacks)
@@ -117,6 +126,8 @@ class MetadataWatcher:
         self._seen_bodies: set[tuple[str, bytes]] = set()
         self._seen: set[tuple] = set()  # (kind, content) of delivered notices
         self._warned_unreachable = False
+        self._answered = False  # the endpoint answered at least once
+        self._failures = 0  # polls in a row that did not reach it
         self.reachable: bool | None = None
         """None before the first poll; afterwards whether the last poll reached the endpoint."""
         self._stop = threading.Event()
@@ -147,11 +158,12 @@ class MetadataWatcher:
                 else:
                     logger.debug("instance metadata endpoint %s unreachable again: %s", self.endpoint, e)
             self.reachable = False
+            self._failures += 1
             self._token = None
             return []
         if self.reachable is False:
             logger.debug("instance metadata endpoint %s reachable again", self.endpoint)
-        self.reachable = True
+        self.reachable, self._answered, self._failures = True, True, 0
         now = datetime.now(timezone.utc)
         fresh = []
         for kind, body in raw:
@@ -241,8 +253,14 @@ class MetadataWatcher:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.poll_once()
-            interval = self.poll_interval_s if self.reachable else self.unreachable_poll_interval_s
-            self._stop.wait(interval)
+            self._stop.wait(self.next_interval_s())
+
+    def next_interval_s(self) -> float:
+        """Seconds to the next poll: the normal interval while the endpoint answers, and for
+        `transient_failures` misses in a row after it has answered once; the slow one otherwise."""
+        if self.reachable or (self._answered and self._failures <= self.transient_failures):
+            return self.poll_interval_s
+        return self.unreachable_poll_interval_s
 
 
 def _parse_time(raw: object) -> datetime:

@@ -5,9 +5,11 @@
 `fake_imds=True` every node gets its own `FakeIMDS`, named in the node's `IMDS_LABEL` label (the
 runtime's workers watch it), and a `notice` event publishes the interruption there its lead time
 ahead. Adding a node blocks for ~1-2 s here, so an event right after an add is late by that much;
-`applied` records when each event really happened. With `loop=True` a trace shorter than the run
-starts again: at each wrap the nodes are brought back to the trace's initial set (the extra ones
-preempted, the missing ones added).
+`applied` records when each event really happened. A late notice keeps its lead: the preemption it
+announced waits until the time the endpoint gave. With `loop=True` a trace shorter than the run
+starts again: at each wrap the nodes are brought back to the trace's initial set (the ones the pass
+added are preempted at its end, warned like the trace's own preemptions when it has notices; the
+missing initial ones are added).
 
 Ray starts nodes only from a process's main thread, so a training run that replays a trace runs
 the cluster in a process of its own: `python -m spot.replay serve ...` starts the cluster (head and
@@ -37,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from spot.cluster import IMDS_LABEL, LocalCluster
@@ -75,7 +77,9 @@ class TraceReplayer:
         self.trace = trace
         self.fake_imds = fake_imds
         self._timeline = trace.timeline()
+        self._wrap_timeline = self._with_wrap_preemptions(trace)
         self._next = 0
+        self._deadlines: dict[str, float] = {}  # node -> time.monotonic() its notice announced
         self._imds: dict[str, FakeIMDS] = {}
         self._t0: float | None = None
         self._up: set[str] = set()  # nodes this replay added and has not removed
@@ -118,8 +122,11 @@ class TraceReplayer:
         self._t0 = time.monotonic()
         initial = [ev.node_id for ev in self._timeline if ev.t_s <= 0 and ev.kind == "add"]
         offset = 0.0
+        # Looping, the nodes still up at the end that were not there at the start are preempted at
+        # the wrap, warned like the trace's own preemptions (`_with_wrap_preemptions`).
+        timeline = self._wrap_timeline if loop else self._timeline
         while True:
-            for ev in self._timeline[self._next :]:
+            for ev in timeline[self._next :]:
                 if stop.wait(max(0.0, self._t0 + offset + ev.t_s - time.monotonic())):
                     return
                 self._apply_logged(ev, offset)
@@ -128,12 +135,35 @@ class TraceReplayer:
                 return
             # Wrap: back to the initial nodes, then the events after t = 0 again.
             offset += self.trace.duration_s
-            for name in sorted(self._up - set(initial)):
+            for name in sorted(self._up - set(initial)):  # none unless a wrap preemption failed
                 self._apply_logged(TraceEvent(0.0, name, "preempt"), offset)
             for name in initial:
                 if name not in self._up:
                     self._apply_logged(TraceEvent(0.0, name, "add"), offset)
-            self._next = next((i for i, ev in enumerate(self._timeline) if ev.t_s > 0), len(self._timeline))
+            self._next = next((i for i, ev in enumerate(timeline) if ev.t_s > 0), len(timeline))
+
+    @staticmethod
+    def _with_wrap_preemptions(trace: Trace) -> list[TraceEvent]:
+        """The timeline of one pass of a looped replay: the trace's, plus a preemption at its end of
+        every node then up that was not up at its start (the next pass starts from the initial
+        nodes again), with the notice lead the trace's preemptions have (cut to the node's life)."""
+        up: dict[str, float] = {}
+        initial = set()
+        for ev in trace.events:
+            if ev.kind == "add":
+                up[ev.node_id] = ev.t_s
+                if ev.t_s <= 0:
+                    initial.add(ev.node_id)
+            else:
+                up.pop(ev.node_id, None)
+        leads = [ev.notice_lead_s for ev in trace.events if ev.kind == "preempt" and ev.notice_lead_s is not None]
+        lead = max(leads) if leads else None
+        end = trace.duration_s
+        wrap = [
+            TraceEvent(end, name, "preempt", None if lead is None else min(lead, end - added))
+            for name, added in sorted(up.items()) if name not in initial
+        ]  # fmt: skip
+        return replace(trace, events=(*trace.events, *wrap)).timeline() if wrap else trace.timeline()
 
     def _apply_logged(self, ev: TraceEvent, offset: float) -> None:
         try:
@@ -160,7 +190,15 @@ class TraceReplayer:
         elif ev.kind == "notice":
             if self.fake_imds:
                 self._imds[ev.node_id].schedule_interruption(lead_s=ev.notice_lead_s)
+                self._deadlines[ev.node_id] = time.monotonic() + ev.notice_lead_s
         else:
+            # A replay that fell behind its clock (adding a node takes a second or more on a busy
+            # machine) would apply a notice and its preemption back to back: the kill never comes
+            # before the time the notice announced, as on EC2.
+            deadline = self._deadlines.pop(ev.node_id, None)
+            if deadline is not None and deadline > time.monotonic():
+                time.sleep(deadline - time.monotonic())
+                at_s = self.elapsed_s() if self._t0 is not None else at_s
             self._up.discard(ev.node_id)
             self.cluster.remove_node(ev.node_id)
             imds = self._imds.pop(ev.node_id, None)

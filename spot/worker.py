@@ -22,7 +22,8 @@ job needs (fencing: a job never runs a step on other weights).
 Preemption notices: a `spot.metadata.MetadataWatcher` on the node's instance-metadata endpoint (or
 a `notify` call) sets the notice; at the next step boundary the group commits the step it finished,
 releases the job and stops, and the noticed member leaves for good (its node is going away). Its
-watcher may also ask Ray to drain the node (reason preemption).
+watcher may also ask Ray to drain the node (reason preemption). A notice seen before the worker
+runs (while it loads, or waits for a group) holds: its first `run` leaves before it pulls a job.
 
 Death inside a group (gloo on 127.0.0.1): when a member's process dies the OS closes its sockets,
 and the peers that talk to it fail within ~10 ms of reaching their next collective ("Connection
@@ -200,7 +201,7 @@ class Worker:
         callbacks: list = [self._on_notice]
         if drain:
             callbacks.append(drain_node_on_notice)  # after the commit signal: the commit must not wait on it
-        self._watcher = MetadataWatcher(endpoint, poll_interval_s=poll_s, timeout_s=0.5, callbacks=tuple(callbacks)).start()
+        self._watcher = MetadataWatcher(endpoint, poll_interval_s=poll_s, timeout_s=1.0, callbacks=tuple(callbacks)).start()
 
     def _on_notice(self, notice) -> None:
         if notice.kind == "interruption":
@@ -289,8 +290,11 @@ class Worker:
         if degree > 1 and self.runner.num_heads is None:
             raise ValueError(f"worker {self.worker_id}: its runner has no sequence-parallel steps (degree {degree})")
         self.leave()
-        self._notice.clear()
-        self._noticed = False
+        if not self._noticed:
+            # A stop the pool asked for ends with the group; a notice of the node's reclaim does
+            # not: the worker may have seen it while it loaded or waited for a group (the metadata
+            # endpoint announces it once), and `run` must still leave at once.
+            self._notice.clear()
         if degree > 1:
             if self._store_client is None:
                 self._store_client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))

@@ -246,6 +246,32 @@ def test_background_thread_polls_slower_while_unreachable_and_picks_up_the_endpo
     assert len(got) == 1 and len(_warnings(caplog)) == 1
 
 
+def test_a_miss_after_the_endpoint_answered_is_retried_at_the_normal_interval(caplog):
+    """A slow answer on a busy node is not an endpoint that went away: backing off 30 s after one
+    timeout would let most of a 120 s notice pass unseen. The back-off starts only after
+    `transient_failures` misses in a row."""
+    port = _free_port()
+    got = []
+    watcher = MetadataWatcher(
+        f"http://127.0.0.1:{port}", poll_interval_s=0.02, unreachable_poll_interval_s=60, transient_failures=2,
+        timeout_s=0.2, callbacks=(got.append,),
+    )
+    assert watcher.poll_once() == [] and watcher.next_interval_s() == 60  # never answered: off EC2
+    with FakeIMDS(port=port):
+        watcher.poll_once()
+    assert watcher.reachable is True and watcher.next_interval_s() == 0.02
+    watcher.poll_once()  # the endpoint is gone (here: closed; on EC2: a timed-out poll)
+    assert watcher.reachable is False and watcher.next_interval_s() == 0.02
+    watcher.poll_once()
+    assert watcher.next_interval_s() == 0.02
+    watcher.poll_once()  # the third miss in a row: it is away, not slow
+    assert watcher.next_interval_s() == 60
+    with FakeIMDS(port=port) as imds:
+        imds.schedule_interruption(lead_s=120)
+        assert len(watcher.poll_once()) == 1
+    assert watcher.next_interval_s() == 0.02 and len(got) == 1
+
+
 def test_stop_returns_promptly():
     watcher = MetadataWatcher(f"http://127.0.0.1:{_free_port()}", unreachable_poll_interval_s=60, timeout_s=0.2)
     watcher.start()
@@ -258,6 +284,8 @@ def test_stop_returns_promptly():
 def test_constructor_rejects_bad_settings():
     with pytest.raises(ValueError, match="token_ttl_s"):
         MetadataWatcher(token_ttl_s=0)
+    with pytest.raises(ValueError, match="transient_failures"):
+        MetadataWatcher(transient_failures=-1)
     with pytest.raises(ValueError, match="poll intervals"):
         MetadataWatcher(poll_interval_s=0)
 
