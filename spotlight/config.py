@@ -276,7 +276,7 @@ class RuntimeConfig:
     worker_threads: int = 1
     """torch CPU threads per worker."""
     job_size: int = 32
-    """Rows (prompt, seed) per rollout job, at most sample.batch_size (the forward batch sized to the device's memory); 0 = train.group_size (one group per job). On 2 CPU cores the tiny recipe's iteration takes 1.25x the local one's with jobs of 16, 1.09x with 32, 1.00x with 64 (one-thread workers run larger batches faster; benchmarks/spot_training.py); smaller jobs lose less to a preemption and spread over more workers. A job gives the local rollout's bits when it has sample.batch_size rows, or where the matmuls round the same at both sizes (the tiny recipe: spotlight/jobs.py)."""
+    """Rows (prompt, seed) per rollout job, at most sample.batch_size (the forward batch sized to the device's memory); 0 = train.group_size (one group per job). On 2 CPU cores the tiny recipe's iteration takes 1.25x the local one's with jobs of 16, 1.09x with 32 (1.19-1.21 in alternated pairs on another day), 1.00x with 64 (one-thread workers run larger batches faster; benchmarks/spot_training.py); smaller jobs lose less to a preemption and spread over more workers. A job gives the local rollout's bits when it has sample.batch_size rows, or where the matmuls round the same at both sizes (the tiny recipe: spotlight/jobs.py)."""
     commit_every: int = 4
     """A worker commits a job's state (its latent) to the queue every this many steps, and at once on a preemption notice."""
     lease_timeout_s: float = 10.0
