@@ -195,9 +195,9 @@ class TraceReplayer:
             # A replay that fell behind its clock (adding a node takes a second or more on a busy
             # machine) would apply a notice and its preemption back to back: the kill never comes
             # before the time the notice announced, as on EC2.
-            deadline = self._deadlines.pop(ev.node_id, None)
-            if deadline is not None and deadline > time.monotonic():
-                time.sleep(deadline - time.monotonic())
+            wait_s = self._deadlines.pop(ev.node_id, 0.0) - time.monotonic()
+            if wait_s > 0:
+                time.sleep(wait_s)
                 at_s = self.elapsed_s() if self._t0 is not None else at_s
             self._up.discard(ev.node_id)
             self.cluster.remove_node(ev.node_id)
