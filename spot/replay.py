@@ -5,8 +5,8 @@
 `fake_imds=True` every node gets its own `FakeIMDS`, named in the node's `IMDS_LABEL` label (the
 runtime's workers watch it), and a `notice` event publishes the interruption there its lead time
 ahead. Adding a node blocks for ~1-2 s here, so an event right after an add is late by that much;
-`applied` records when each event really happened. A late notice keeps its lead: the preemption it
-announced waits until the time the endpoint gave. With `loop=True` a trace shorter than the run
+`applied` records when each event really happened (a replay behind its clock can apply a notice
+and its preemption back to back). With `loop=True` a trace shorter than the run
 starts again: at each wrap the nodes are brought back to the trace's initial set (the ones the pass
 added are preempted at its end, warned like the trace's own preemptions when it has notices; the
 missing initial ones are added).
@@ -79,7 +79,6 @@ class TraceReplayer:
         self._timeline = trace.timeline()
         self._wrap_timeline = self._with_wrap_preemptions(trace)
         self._next = 0
-        self._deadlines: dict[str, float] = {}  # node -> time.monotonic() its notice announced
         self._imds: dict[str, FakeIMDS] = {}
         self._t0: float | None = None
         self._up: set[str] = set()  # nodes this replay added and has not removed
@@ -190,15 +189,7 @@ class TraceReplayer:
         elif ev.kind == "notice":
             if self.fake_imds:
                 self._imds[ev.node_id].schedule_interruption(lead_s=ev.notice_lead_s)
-                self._deadlines[ev.node_id] = time.monotonic() + ev.notice_lead_s
         else:
-            # A replay that fell behind its clock (adding a node takes a second or more on a busy
-            # machine) would apply a notice and its preemption back to back: the kill never comes
-            # before the time the notice announced, as on EC2.
-            wait_s = self._deadlines.pop(ev.node_id, 0.0) - time.monotonic()
-            if wait_s > 0:
-                time.sleep(wait_s)
-                at_s = self.elapsed_s() if self._t0 is not None else at_s
             self._up.discard(ev.node_id)
             self.cluster.remove_node(ev.node_id)
             imds = self._imds.pop(ev.node_id, None)

@@ -256,27 +256,6 @@ def test_synthetic_rate_matches_poisson_mean():
 # -- replaying a trace on a cluster's clock (spot.replay) --------------------------------------------
 
 
-class _ClockedCluster:
-    """Records when the replay adds and removes nodes. A stand-in for `spot.cluster.LocalCluster`
-    (the same two calls) where only the replay's clock is under test; the Ray side of the replay is
-    tested in tests/test_runtime.py and tests/test_runtime_training.py."""
-
-    def __init__(self, add_s: float = 0.0):
-        self.add_s = add_s  # how long an add takes (a busy machine's node start)
-        self.calls: list[tuple[float, str, str]] = []
-
-    def add_node(self, name: str, labels: dict | None = None) -> None:
-        import time
-
-        time.sleep(self.add_s)
-        self.calls.append((time.monotonic(), "add", name))
-
-    def remove_node(self, name: str) -> None:
-        import time
-
-        self.calls.append((time.monotonic(), "remove", name))
-
-
 def test_a_looped_replay_warns_the_nodes_it_ends_at_the_wrap():
     """Looping, the nodes added during the trace and still up at its end are preempted at the wrap
     (the next pass starts from the initial nodes): with notices, they are warned like the trace's own."""
@@ -289,25 +268,3 @@ def test_a_looped_replay_warns_the_nodes_it_ends_at_the_wrap():
         (6, "c", "preempt", 2), (7.5, "b", "notice", 2.5), (10.0, "b", "preempt", 2.5),
     ]  # fmt: skip
     assert [ev.kind for ev in TraceReplayer._with_wrap_preemptions(trace) if ev.node_id == "b"] == ["add", "preempt"]
-
-
-def test_a_replay_behind_its_clock_still_keeps_the_notice_lead():
-    """Adds that take longer than the trace allows put the replay behind its clock; a notice and its
-    preemption that are both due must still be the announced lead apart (the kill never comes early)."""
-    import threading
-
-    from spot.replay import TraceReplayer
-
-    trace = Trace((TraceEvent(0, "a", "add"), TraceEvent(0.05, "b", "add"), TraceEvent(0.1, "c", "add"),
-                   TraceEvent(0.3, "a", "preempt")), 0.4, "t", "test").with_notices(0.2)  # fmt: skip
-    cluster = _ClockedCluster(add_s=0.3)  # 'c' is added 0.6 s in: the notice (0.1 s) and kill (0.3 s) are late
-    replayer = TraceReplayer(cluster, trace, fake_imds=True)
-    try:
-        replayer.add_initial()
-        replayer.run(threading.Event())
-        notice = next(e for e in replayer.applied if e.kind == "notice")
-        kill = next(e for e in replayer.applied if e.kind == "preempt")
-        assert notice.at_s > 0.3  # behind: both were due before the replay got to them
-        assert kill.at_s - notice.at_s >= 0.2 - 0.01
-    finally:
-        replayer.remove_all()
