@@ -77,7 +77,6 @@ class TraceReplayer:
         self.trace = trace
         self.fake_imds = fake_imds
         self._timeline = trace.timeline()
-        self._wrap_timeline = self._with_wrap_preemptions(trace)
         self._next = 0
         self._imds: dict[str, FakeIMDS] = {}
         self._t0: float | None = None
@@ -123,7 +122,7 @@ class TraceReplayer:
         offset = 0.0
         # Looping, the nodes still up at the end that were not there at the start are preempted at
         # the wrap, warned like the trace's own preemptions (`_with_wrap_preemptions`).
-        timeline = self._wrap_timeline if loop else self._timeline
+        timeline = self._with_wrap_preemptions(self.trace) if loop else self._timeline
         while True:
             for ev in timeline[self._next :]:
                 if stop.wait(max(0.0, self._t0 + offset + ev.t_s - time.monotonic())):
