@@ -210,6 +210,9 @@ class _LeaseState:
     """A free worker that will take this job over once its holder releases it."""
     yielding: bool = False
     """Asked to release the job for one of higher priority."""
+    start_step: int = 0
+    """The committed step the lease resumed from."""
+    started_at: float = 0.0
 
 
 class JobQueue:
@@ -231,6 +234,7 @@ class JobQueue:
         handoff: bool = False,
         handoff_margin: float = 2.0,
         reserve_s: float = 2.0,
+        lease_log_len: int = 100_000,
     ):
         if lease_timeout_s <= 0:
             raise ValueError(f"lease_timeout_s must be > 0, got {lease_timeout_s}")
@@ -254,6 +258,8 @@ class JobQueue:
         self._unfinished: Counter[int] = Counter()  # version -> jobs of it without a result
         self.stats = QueueStats()
         self.stats_by_kind: dict[str, QueueStats] = {}
+        # Every ended lease, oldest first (bounded): what `lease_log` returns.
+        self._lease_log: deque[dict] = deque(maxlen=lease_log_len)
 
     # -- driver side --------------------------------------------------------------------------
 
@@ -340,6 +346,14 @@ class JobQueue:
             self._results_offset += drop
         return self._results[cursor - self._results_offset :]
 
+    def lease_log(self, cursor: int = 0) -> list[dict]:
+        """Ended leases from index `cursor` on (oldest first, the last `lease_log_len` kept), one dict
+        each: lease, job, kind, worker, pool, version, from_step (the commit it resumed from),
+        to_step (the committed step when it ended, or the last step for a completed job), progress,
+        end (completed / released: a notice / handoff / yield / revoked: lost worker or timeout /
+        cancelled), recomputed (steps past the last commit), seconds held."""
+        return list(self._lease_log)[cursor:]
+
     def close(self) -> None:
         """From now on every pull answers STOP."""
         self._closed = True
@@ -409,7 +423,9 @@ class JobQueue:
         e.reserved_for = None
         lease_id = self._next_lease_id
         self._next_lease_id += 1
-        e.lease = _LeaseState(lease_id, e.job.job_id, worker_id, pool, e.step, now + self.lease_timeout_s, reported_at=now)
+        e.lease = _LeaseState(
+            lease_id, e.job.job_id, worker_id, pool, e.step, now + self.lease_timeout_s, reported_at=now, start_step=e.step, started_at=now
+        )  # fmt: skip
         e.num_leases += 1
         self._leases[lease_id] = e.lease
         self._count(e.job, leases=1)
@@ -511,6 +527,7 @@ class JobQueue:
         e = self._entries[ls.job_id]
         assert not e.done, f"job {e.job.job_id} completed twice under lease {lease_id}"
         del self._leases[lease_id]
+        self._log_lease(ls, "completed", step)
         e.lease, e.done = None, True
         e.state = None  # the result holds what is needed now
         self._results.append(Result(e.job.job_id, output, ls.worker_id, e.num_leases, e.job.kind))
@@ -535,6 +552,14 @@ class JobQueue:
         newest = max(self._weights, default=None)
         for v in [v for v in self._weights if v != newest and self._unfinished[v] == 0]:
             del self._weights[v]
+
+    def _log_lease(self, ls: _LeaseState, end: str, step: int, recomputed: int = 0) -> None:
+        e = self._entries[ls.job_id]
+        self._lease_log.append({
+            "lease": ls.lease_id, "job": ls.job_id, "kind": e.job.kind, "worker": ls.worker_id, "pool": ls.pool,
+            "version": e.job.version, "from_step": ls.start_step, "to_step": step, "progress": ls.progress,
+            "end": end, "recomputed": recomputed, "seconds": round(self._clock() - ls.started_at, 4),
+        })  # fmt: skip
 
     def _live(self, lease_id: int) -> _LeaseState | None:
         ls = self._leases.get(lease_id)
@@ -562,6 +587,10 @@ class JobQueue:
         e = self._entries[ls.job_id]
         e.lease = None
         lost = max(0, ls.progress - e.step)
+        if revoked:
+            self._log_lease(ls, "revoked" if requeue else "cancelled", e.step, recomputed=lost)
+        else:
+            self._log_lease(ls, "handoff" if ls.handoff_to is not None else "yield" if ls.yielding else "released", e.step)
         counts = {"recomputed_steps": lost}
         if revoked:
             counts["revoked"] = 1

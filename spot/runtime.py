@@ -244,6 +244,11 @@ class Runtime:
             self.tick()
             time.sleep(min(self.tick_s, max(0.0, left)))
 
+    def lease_log(self) -> list[dict]:
+        """Every ended lease and how it ended (`JobQueue.lease_log`)."""
+        with self._lock:
+            return self._ray.get(self.queue.lease_log.remote())
+
     def status(self) -> RuntimeStatus:
         """Nodes, workers, preemptions and queue counters, now."""
         with self._lock:

@@ -21,6 +21,7 @@ running exploration job yields to a waiting rollout at its next step), the newes
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -52,6 +53,10 @@ logger = logging.getLogger(__name__)
 
 REPLAY_EVENTS, REPLAY_LOG = "replay.jsonl", "replay.log"
 """Files of a trace replay in the run directory: the events as applied, and the replay process's log."""
+LEASES = "leases.jsonl"
+"""Every lease the queue handed out and how it ended (`spot.jobqueue.JobQueue.lease_log`), written
+to the run directory when the runtime closes: which worker ran which steps of each job, and which
+jobs a notice, a hand-off or a lost worker moved."""
 
 
 def warn_if_cpus_oversubscribed(cfg: DiTRecipe, num_cpus: int | None = None) -> str | None:
@@ -90,10 +95,15 @@ class SpotRuntime:
         runtime: the driver, started.
         on_close: called in order by `close` (disconnect, stop the cluster or the replay).
         replay: the trace replay, if any (its clock starts with `go`).
+        run_dir: where `close` writes the lease log (`LEASES`); None: nowhere.
     """
 
-    def __init__(self, cfg: DiTRecipe, runtime: Runtime, *, on_close: Sequence[Callable[[], None]] = (), replay=None):
+    def __init__(
+        self, cfg: DiTRecipe, runtime: Runtime, *, on_close: Sequence[Callable[[], None]] = (), replay=None,
+        run_dir: str | Path | None = None,
+    ):  # fmt: skip
         self.cfg = cfg
+        self.run_dir = None if run_dir is None else Path(run_dir)
         self.runtime = runtime
         self.replay = replay
         self._on_close = list(on_close)
@@ -117,6 +127,17 @@ class SpotRuntime:
             time.sleep(0.2)
         return self.status().workers
 
+    def _write_lease_log(self) -> None:
+        if self.run_dir is None:
+            return
+        try:
+            rows = self.runtime.lease_log()
+            tmp = self.run_dir / f".{LEASES}.tmp"
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            os.replace(tmp, self.run_dir / LEASES)
+        except Exception as err:  # noqa: BLE001 - a missing log must not fail the run's shutdown
+            logger.warning("could not write %s: %s", self.run_dir / LEASES, err)
+
     def start_trace(self) -> None:
         """Start the trace replay's clock (no-op without a trace)."""
         if self.replay is not None:
@@ -124,6 +145,7 @@ class SpotRuntime:
 
     def close(self) -> None:
         try:
+            self._write_lease_log()
             self.runtime.close()
             self.runtime.pool.close()
         finally:
@@ -330,7 +352,7 @@ def start_runtime(cfg: DiTRecipe, run_dir: str | Path) -> SpotRuntime:
             gpu=gpu,
         )
         runtime = Runtime(pool, lease_timeout_s=r.lease_timeout_s).start()
-        return SpotRuntime(cfg, runtime, on_close=on_close, replay=replay)
+        return SpotRuntime(cfg, runtime, on_close=on_close, replay=replay, run_dir=run_dir)
     except BaseException:
         for fn in ([ray.shutdown] if ray.is_initialized() else []) + [f for f in on_close if f is not ray.shutdown]:
             try:

@@ -101,6 +101,28 @@ def test_a_free_fast_worker_takes_the_tail_job_over_from_a_slow_one():
     assert q.stats.handoffs == 1 and q.stats.recomputed_steps == 0
 
 
+def test_the_lease_log_says_who_ran_which_steps_of_each_job_and_how_each_lease_ended():
+    clock = FakeClock()
+    q = JobQueue(clock=clock, lease_timeout_s=100)
+    q.submit(make_jobs(3))
+    a, b, c = q.pull("a"), q.pull("b"), q.pull("c")
+    q.progress(a.lease_id, 1)
+    q.commit(a.lease_id, 2, latent(2))
+    q.progress(a.lease_id, 3)
+    q.worker_lost("a")  # dies past its commit: step 3 is recomputed
+    q.commit(b.lease_id, 4, latent(4), release=True)  # a notice: commits and hands the job back
+    q.cancel([c.job.job_id])
+    resumed = [q.pull("d"), q.pull("e")]
+    assert sorted((ls.job.job_id, ls.step) for ls in resumed) == [(0, 2), (1, 4)]
+    for ls in resumed:
+        q.complete(ls.lease_id, 10, latent(10))
+    log = q.lease_log()
+    got = [(r["job"], r["worker"], r["from_step"], r["to_step"], r["end"], r["recomputed"]) for r in log]
+    assert got[:3] == [(0, "a", 0, 2, "revoked", 1), (1, "b", 0, 4, "released", 0), (2, "c", 0, 0, "cancelled", 0)]
+    assert sorted(got[3:]) == [(0, "e", 2, 10, "completed", 0), (1, "d", 4, 10, "completed", 0)]  # the last released first
+    assert q.lease_log(3) == log[3:]
+
+
 def test_no_hand_off_when_it_would_not_pay_or_is_disabled():
     for handoff, slow_s in ((True, 1.2), (False, 4.0)):  # barely slower / hand-off off (push)
         clock = FakeClock()
@@ -738,11 +760,19 @@ def test_published_weights_reach_the_workers_through_the_queue(cluster, pool, ti
         rt.tick()
         time.sleep(0.05)
     assert ray.get(rt.queue.snapshot.remote())["stats"].leases == 0  # no weights yet: nothing runs
-    serving = len(pool.running())
+    before = {g.group_id for g in pool.running()}
+    serving = len(before)
     cluster.add_node("fast-late")  # its worker starts with the model's own weights, version 0
     while len(pool.running()) < serving + 1:
         rt.tick()
         time.sleep(0.05)
+    (late,) = {g.group_id for g in pool.running()} - before
+    # One more job that only the late worker may take: without it the earlier workers could run all
+    # six before the late one first pulls, and it would never need version 1.
+    extra = row_job(706, version=1)
+    ray.get(rt.queue.submit.remote([extra], [late]))
+    rt.num_jobs += 1
+    jobs.append(extra)
     rt.publish(1, state)
     report = rt.run(timeout_s=60)
     rt.close()

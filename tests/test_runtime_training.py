@@ -11,6 +11,7 @@ process of its own adding and killing nodes on the trace's clock).
 
 from __future__ import annotations
 
+import json
 import os
 
 # Bind every Ray process to 127.0.0.1; read when `ray` is first imported (spot.localray.import_ray_on_loopback).
@@ -186,7 +187,12 @@ def test_the_cli_trains_on_a_replayed_trace(tiny_model_dir, local_run, tmp_path)
     last = read_metrics(run_dir)[-1]
     assert last["runtime/rollout_jobs_submitted_total"] == last["runtime/rollout_jobs_done_total"]
     assert last["runtime/duplicated_results_total"] == 0
-    assert same(weights(run_dir), weights(local_run))
+    # The lease log: every job completed exactly once; a job that moved says where and why.
+    leases = [json.loads(line) for line in (run_dir / "leases.jsonl").read_text().splitlines()]
+    completed = [r["job"] for r in leases if r["end"] == "completed"]
+    assert sorted(completed) == list(range(ITERATIONS * 6))
+    moved = [r for r in leases if r["end"] != "completed" or r["from_step"] > 0]
+    assert same(weights(run_dir), weights(local_run)), f"leases that did not run a whole job: {moved}"
 
 
 def test_rollout_jobs_cut_the_rows_in_order_and_never_exceed_the_forward_batch():
