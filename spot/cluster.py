@@ -24,9 +24,11 @@ handler there, which only a process's main thread may do: drive a cluster from t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 
 from spot.localray import ON_DEMAND, SPOT, import_ray_on_loopback
 
@@ -35,6 +37,46 @@ NODE_LABEL = "spot-trace-node"
 IMDS_LABEL = "spot-imds-url"
 """Label naming a node's instance-metadata endpoint (a trace replay's fake one, `spot.replay`); the
 runtime's workers on the node watch it for notices."""
+
+
+# -- emulating separate machines on one host -------------------------------------------------------
+# A local cluster's nodes are processes on the trainer's own CPUs: whatever a spot worker computes
+# is taken from the trainer, which real spot nodes never do. Pinning the cluster's processes to CPUs
+# of their own (they inherit the mask of the thread that starts them) and the trainer's threads to
+# the rest restores that separation at the size this host has. Linux only (sched_setaffinity).
+
+
+def split_cpus(cluster_cpus: int, *, field: str = "cluster_cpus") -> tuple[set[int], set[int]]:
+    """(the trainer's CPUs, the cluster's): the last `cluster_cpus` of the CPUs this process may use
+    for the cluster, the others for the trainer. `field` names the setting in the error."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 0 < cluster_cpus < len(cpus):
+        raise ValueError(
+            f"{field}={cluster_cpus}: the cluster needs at least one of this process's {len(cpus)} CPUs "
+            f"and must leave the trainer one (1..{len(cpus) - 1})"
+        )
+    return set(cpus[:-cluster_cpus]), set(cpus[-cluster_cpus:])
+
+
+@contextlib.contextmanager
+def children_on(cpus: set[int]) -> Iterator[None]:
+    """Processes the calling thread starts inside the block (and theirs) run on `cpus`: the thread's
+    own mask is set for the block, and a child inherits its parent thread's mask."""
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
+
+
+def pin_process(cpus: set[int]) -> None:
+    """Every thread of this process on `cpus` (threads started later inherit it from theirs)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
 
 
 class LocalCluster:

@@ -289,6 +289,8 @@ class RuntimeConfig:
     """How often a spot worker polls its metadata endpoint for an interruption notice (AWS warns 120 s ahead)."""
     emulated_step_s: float = 0.0
     """Minimum wall time of one denoising step on a worker, the rest slept: emulates a slower device (benchmarks and tests); 0 = off."""
+    local_cluster_cpus: int = 0
+    """Local cluster only (emulation on one host): run its processes (Ray's, every node's workers, a trace replay) on the last this many of the trainer's CPUs and the trainer on the others, as separate machines would; 0 = all share every CPU. With train.num_threads 0 the trainer then uses one thread per CPU it keeps."""
     imds_endpoint: str = ""
     """Instance-metadata endpoint spot workers poll for interruption notices (AWS: http://169.254.169.254); empty: none, except a trace replay's fake ones."""
     trace: str = ""
@@ -322,6 +324,10 @@ class RuntimeConfig:
             raise ValueError(f"runtime.trace_nodes must be >= 1, got {self.trace_nodes}")
         if self.emulated_step_s < 0:
             raise ValueError(f"runtime.emulated_step_s must be >= 0, got {self.emulated_step_s}")
+        if self.local_cluster_cpus < 0:
+            raise ValueError(f"runtime.local_cluster_cpus must be >= 0, got {self.local_cluster_cpus}")
+        if self.local_cluster_cpus and self.ray_address:
+            raise ValueError("runtime.local_cluster_cpus pins a local cluster's processes; runtime.ray_address joins a cluster that is not started here")
         if self.trace_notice_s < 0:
             raise ValueError(f"runtime.trace_notice_s must be >= 0, got {self.trace_notice_s}")
 

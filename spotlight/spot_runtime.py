@@ -21,6 +21,7 @@ running exploration job yields to a waiting rollout at its next step), the newes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -311,32 +312,30 @@ def start_runtime(cfg: DiTRecipe, run_dir: str | Path) -> SpotRuntime:
     """Start (or join) the recipe's cluster, its workers and the runtime; `close` undoes all of it."""
     r = cfg.runtime
     ray = import_ray_on_loopback() if not r.ray_address else __import__("ray")
-    from spot.cluster import LocalCluster
+    from spot.cluster import children_on, pin_process, split_cpus
     from spot.pool import WorkerPool
-    from spot.replay import ReplayProcess, fit_trace
 
     run_dir = Path(run_dir)
-    cluster = replay = None
     on_close: list[Callable[[], None]] = []
+    cpus, trainer_cpus = contextlib.nullcontext(), None
+    if r.local_cluster_cpus and not r.ray_address:
+        trainer_cpus, cluster_cpus = split_cpus(r.local_cluster_cpus, field="runtime.local_cluster_cpus")
+        cpus = children_on(cluster_cpus)
+        logger.info("local cluster on CPU(s) %s, the trainer on %s (runtime.local_cluster_cpus)", sorted(cluster_cpus), sorted(trainer_cpus))
     try:
-        if r.trace:
-            trace, _ = fit_trace(
-                r.trace, nodes=r.trace_nodes, window_s=r.trace_window_s, start_s=None if r.trace_start_s < 0 else r.trace_start_s,
-                compress=r.trace_compress, notice_s=r.trace_notice_s,
-            )  # fmt: skip
-            replay = ReplayProcess(
-                trace, fake_imds=r.trace_notice_s > 0, loop=r.trace_loop,
-                events_path=run_dir / REPLAY_EVENTS, log_path=run_dir / REPLAY_LOG,
-            ).start()  # fmt: skip
-            on_close.append(replay.stop)
-            address = replay.address
-        elif not r.ray_address:
-            warn_if_cpus_oversubscribed(cfg)
-            cluster = LocalCluster(r.spot_nodes)
-            on_close.append(cluster.shutdown)
-            address = cluster.address
-        else:
-            address = r.ray_address
+        with cpus:  # the cluster's processes inherit the mask of the thread that starts them
+            replay, address = _start_cluster(cfg, run_dir, on_close)
+        if trainer_cpus is not None:
+            mask, threads = os.sched_getaffinity(0), torch.get_num_threads()
+
+            def unpin() -> None:  # after close the process has its CPUs and threads back
+                pin_process(mask)
+                torch.set_num_threads(threads)
+
+            on_close.append(unpin)
+            pin_process(trainer_cpus)
+            if not cfg.train.num_threads:
+                torch.set_num_threads(len(trainer_cpus))
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         on_close.insert(0, ray.shutdown)
         gpu = cfg.model.device.startswith("cuda")
@@ -360,6 +359,33 @@ def start_runtime(cfg: DiTRecipe, run_dir: str | Path) -> SpotRuntime:
             except Exception:  # noqa: BLE001 - the original error matters
                 pass
         raise
+
+
+def _start_cluster(cfg: DiTRecipe, run_dir: Path, on_close: list[Callable[[], None]]):
+    """(replay, address): a trace replay's local cluster, a local cluster, or runtime.ray_address's
+    (joined as it is); what was started has its stop appended to `on_close` at once."""
+    from spot.cluster import LocalCluster
+    from spot.replay import ReplayProcess, fit_trace
+
+    r = cfg.runtime
+    if r.trace:
+        trace, _ = fit_trace(
+            r.trace, nodes=r.trace_nodes, window_s=r.trace_window_s, start_s=None if r.trace_start_s < 0 else r.trace_start_s,
+            compress=r.trace_compress, notice_s=r.trace_notice_s,
+        )  # fmt: skip
+        replay = ReplayProcess(
+            trace, fake_imds=r.trace_notice_s > 0, loop=r.trace_loop,
+            events_path=run_dir / REPLAY_EVENTS, log_path=run_dir / REPLAY_LOG,
+        ).start()  # fmt: skip
+        on_close.append(replay.stop)
+        return replay, replay.address
+    if r.ray_address:
+        return None, r.ray_address
+    if not r.local_cluster_cpus:
+        warn_if_cpus_oversubscribed(cfg)
+    cluster = LocalCluster(r.spot_nodes)
+    on_close.append(cluster.shutdown)
+    return None, cluster.address
 
 
 def runtime_wanted(cfg: DiTRecipe) -> bool:
