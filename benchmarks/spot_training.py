@@ -15,8 +15,12 @@ own, for the same fixed number of iterations (`--iterations`, no time budget, ex
               `--window-s` stretch, compressed `--compress` times and replayed in a loop), with
               `--notice-s S` > 0 a notice S trace seconds ahead through each node's fake metadata
               endpoint
-    explore   with `--explore`: the first trace's run at the first notice lead with
-              explore.mode=stale (exploration jobs on the spot workers, at a lower priority)
+    explore_none, explore   with `--explore`: the first trace at the first notice lead, with
+              explore.mode=none and with stale (exploration jobs on the spot workers, at a lower
+              priority), both with `--explore-layout`: by default the local cluster's processes on
+              one CPU of their own and the trainer on the other (runtime.local_cluster_cpus=1
+              train.num_threads=1), so that explorers do not compute on the trainer's CPU, as on
+              separate machines (emulated)
 
 One JSON line per trace and notice lead (the local and static runs are shared):
 
@@ -35,14 +39,16 @@ One JSON line per trace and notice lead (the local and static runs are shared):
                                       in `..._pairs`), and `where_time_goes`: the median of each
                                       phase over the runs of each kind
     explore                           with `--explore`: `critical_path_ratio_stale_over_none`, the
-                                      median iteration time of the explore run over the same trace
-                                      run without exploration; nothing lost; the exploration jobs'
-                                      accounting (preempted ones: leases revoked and steps lost)
+                                      median iteration time of the explore run over explore_none
+                                      (same trace, same layout), with the update and rollout phases of
+                                      each; nothing lost; the exploration jobs' accounting (preempted
+                                      ones: leases revoked and steps lost)
 
 The window defaults per trace (`WINDOWS`) are chosen so that preemptions land on work: the run lasts
 a few minutes, and the busiest stretch of each trace, compressed, brings several preemptions into
 it (a preemption while the trainer updates finds the rollout workers idle). The runs share 2 cores:
-the spot nodes are processes on this machine (emulated capacity, time-sliced with the trainer).
+the spot nodes are processes on this machine (emulated capacity, time-sliced with the trainer,
+except in the exploration runs' layout).
 
     .venv/bin/python benchmarks/spot_training.py --trace traces/*.csv traces/*.jsonl --notice-s 0 120 --explore --json
     .venv/bin/python benchmarks/spot_training.py --trace traces/parcae-p3-aws.csv --notice-s 120 --json
@@ -167,7 +173,12 @@ def main() -> None:
     p.add_argument("--compress", type=float, default=None, help="trace seconds per wall second (default: WINDOWS)")
     p.add_argument("--spot-nodes", type=int, default=1, help="spot nodes of the static run")
     p.add_argument("--pairs", type=int, default=2, help="local and static runs, alternated, this many of each")
-    p.add_argument("--explore", action="store_true", help="also a stale-exploration run of the first trace at the first notice lead")
+    p.add_argument("--explore", action="store_true",
+                   help="also the first trace at the first notice lead with explore.mode=stale and with none, both with --explore-layout")  # fmt: skip
+    p.add_argument("--explore-layout", nargs="*", default=["runtime.local_cluster_cpus=1", "train.num_threads=1"],
+                   help="overrides of the two exploration runs: by default the local cluster (every spot node, Ray's own "
+                        "processes, the replay) on one CPU of its own and the trainer on the other, as separate machines "
+                        "would be (emulated); without it the spot workers explore on the trainer's CPUs")  # fmt: skip
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up a run after this long")
     p.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     p.add_argument("--resume", action="store_true",
@@ -220,7 +231,9 @@ def main() -> None:
     for k, (path, notice) in enumerate(cases):
         runs[f"trace{k}"] = [*common, *cluster, *trace_args(path, notice)]
     if args.explore:
-        runs["explore"] = [*common, *cluster, *trace_args(args.trace[0], args.notice_s[0]), "explore.mode=stale"]
+        # Both on the same emulated layout: the cluster's processes on CPUs of their own.
+        base = [*common, *cluster, *trace_args(args.trace[0], args.notice_s[0]), *args.explore_layout]
+        runs["explore_none"], runs["explore"] = base, [*base, "explore.mode=stale"]
     root = args.keep or Path(tempfile.mkdtemp(prefix="spot-training-"))
     root.mkdir(parents=True, exist_ok=True)
     rows = {}
@@ -294,6 +307,7 @@ def main() -> None:
             "runs_dir": str(root / f"trace{k}"),
         }
         if args.explore and k == 0:
+            n_rows = run("explore_none")
             e_rows = run("explore")
             e = runtime_figures(e_rows, "explore")
             e["yielded_to_rollouts"] = e_rows[-1].get("runtime/explore_leases_yielded_total", 0)
@@ -301,8 +315,12 @@ def main() -> None:
             e["fallback_late_per_iteration"] = median_of(e_rows, "explore/fallback_late")
             r = runtime_figures(e_rows)
             result["explore"] = {
-                "baseline": f"the same trace run with explore.mode=none ({result['runs_dir']})",
-                "critical_path_ratio_stale_over_none": round(median_of(e_rows, "time/iteration_s") / median_of(rows[f"trace{k}"], "time/iteration_s"), 3),
+                "baseline": f"the same trace and layout with explore.mode=none ({root / 'explore_none'})",
+                "layout": " ".join(args.explore_layout) + " (emulated: the spot nodes are processes on this machine)",
+                "critical_path_ratio_stale_over_none": round(median_of(e_rows, "time/iteration_s") / median_of(n_rows, "time/iteration_s"), 3),
+                "iteration_s": {"none": median_of(n_rows, "time/iteration_s"), "stale": median_of(e_rows, "time/iteration_s")},
+                "update_s": {"none": median_of(n_rows, "time/update_s"), "stale": median_of(e_rows, "time/update_s")},
+                "rollout_s": {"none": median_of(n_rows, "time/rollout_s"), "stale": median_of(e_rows, "time/rollout_s")},
                 "lost_rollouts": r["submitted"] - r["delivered"] - r["cancelled"],
                 "duplicated_results": r["duplicated_results"],
                 "rollout_run": r,
