@@ -75,7 +75,7 @@ def pin_process(cpus: set[int]) -> None:
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, PermissionError):
+        except ProcessLookupError:
             pass  # a thread that ended meanwhile
 
 

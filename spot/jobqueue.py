@@ -213,6 +213,7 @@ class _LeaseState:
     start_step: int = 0
     """The committed step the lease resumed from."""
     started_at: float = 0.0
+    """When the lease was granted (the queue's clock)."""
 
 
 class JobQueue:
