@@ -38,7 +38,9 @@ are the default seeds, so exploring extends the default group and a fallback is 
 
 Budget (in candidates). budget_fraction x predicted window x explorer samples/s x live
 explorers. The window is a running mean of measured windows (the update's time, or with window
-"iteration" the time from `seeds_for` to the end of the update); before the first update is
+"iteration" the time from `seeds_for` to the end of the update; with runtime.rollouts=cluster the
+time from the rollout's end, as the spot workers serve the rollout before any exploration job);
+before the first update is
 timed it is half the same iteration's rollout time (a guess on the short side: a windowed SDE or
 DiffusionNFT update can cost less than the rollout, and the first rollout also pays warm-up;
 explore/update_guessed = 1 says so). The throughput is a running mean of what explorers report
@@ -573,8 +575,10 @@ class Exploration:
         """After the update of `iteration`: take the results that are ready; never wait.
 
         Args:
-            window_s: how long this iteration's window lasted: the update's time, or with
-                `explore.window` "iteration" the time since `seeds_for` (what the next budget predicts).
+            window_s: how long this iteration's window lasted (what the next budget predicts):
+                the update's time; with `explore.window` "iteration" the time since `seeds_for`;
+                with the rollout on the cluster (whose spot workers serve the rollout first) the
+                time from the rollout's end.
         """
         t0 = time.monotonic()
         self.budget_model.observe_update(window_s)

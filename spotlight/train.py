@@ -299,9 +299,15 @@ def _train(
             stats = trainer.update(ro, adv, it)
             t3 = time.monotonic()
             encoder = policy.prompt_cache.end_step()
-            # 6. Take the exploration results that are ready; never wait for an explorer.
+            # 6. Take the exploration results that are ready; never wait for an explorer. The
+            #    window the next budget predicts is the time the explorers had: with the rollout on
+            #    the cluster, its spot workers served it first, so they were free only from its end.
             if exploration is not None:
-                exploration.collect(it, t3 - (t_window if stale_early else t_up))
+                if cfg.runtime.rollouts == "cluster":
+                    window_start = t1
+                else:
+                    window_start = t_window if stale_early else t_up
+                exploration.collect(it, t3 - window_start)
 
             valid = reward.total_B[~torch.isnan(reward.total_B)]
             metrics = {

@@ -403,6 +403,29 @@ def test_the_stale_window_opens_where_the_setting_says(tiny_model_dir, ray_addre
         assert predicted == pytest.approx(0.5 * u[0] + 0.5 * u[1], rel=1e-6), (predicted, rows[1])
 
 
+def test_with_the_rollout_on_the_cluster_the_budget_predicts_the_time_after_it(tiny_model_dir, ray_address, tmp_path):
+    """runtime.rollouts=cluster: the spot workers serve the rollout before any exploration job, so
+    the window the budget predicts runs from the rollout's end (reward, launch, update), not from
+    `seeds_for` as explore.window "iteration" (the default) measures with local rollouts. Sized on
+    the whole iteration, the plan overfilled the workers' free time and every job came back late."""
+    from spotlight.train import run_training
+
+    cfg = tiny_recipe(tiny_model_dir, "stale", ray_address=ray_address)
+    cfg.runtime.rollouts = "cluster"
+    cfg.runtime.emulated_step_s = 0.5  # a rollout of 3 steps lasts >= 1.5 s: longer than the clocks' slack below
+    cfg.train.num_iterations = 4
+    run_training(cfg, tmp_path, progress=False)
+    rows = read_metrics(tmp_path)
+    assert rows[1]["time/rollout_s"] >= 1.5
+    assert all(r["runtime/rollout_jobs_done_total"] == r["runtime/rollout_jobs_submitted_total"] for r in rows)
+    # Batch 3's budget (sized at iteration 2, ema 0.5) predicts from the windows of iterations 0 and 1.
+    after = [r["time/reward_s"] + r["time/update_s"] for r in rows]
+    predicted = rows[3]["explore/predicted_update_s"]
+    launch = 0.5 * (rows[0]["time/explore_s"] + rows[1]["time/explore_s"])  # the launch is part of each window
+    assert 0.5 * (after[0] + after[1]) <= predicted <= 0.5 * (after[0] + after[1]) + launch + 0.25, (predicted, rows[:2])
+    assert predicted < 0.5 * after[0] + 0.5 * (rows[1]["time/rollout_s"] + after[1])  # the "iteration" window's
+
+
 def test_a_budget_too_small_for_one_prompt_probes_and_recovers(tiny_model_dir, ray_address, tmp_path, monkeypatch):
     """Regression: one slow throughput report (an explorer starved by a busy CPU, a cold start) left
     a budget of fewer than G + 1 candidates, nothing was planned again, so nothing re-measured the
