@@ -15,8 +15,8 @@ own, for the same fixed number of iterations (`--iterations`, no time budget, ex
               `--window-s` stretch, compressed `--compress` times and replayed in a loop), with
               `--notice-s S` > 0 a notice S trace seconds ahead through each node's fake metadata
               endpoint
-    explore_none, explore   with `--explore`: the first trace at the first notice lead, with
-              explore.mode=none and with stale (exploration jobs on the spot workers, at a lower
+    explore_noneI, exploreI   with `--explore`: the first trace at the first notice lead, with
+              explore.mode=none and with stale, alternated `--explore-pairs` times (exploration jobs on the spot workers, at a lower
               priority), both with `--explore-layout`: by default the local cluster's processes on
               one CPU of their own and the trainer on the other (runtime.local_cluster_cpus=1
               train.num_threads=1), so that explorers do not compute on the trainer's CPU, as on
@@ -40,9 +40,10 @@ One JSON line per trace and notice lead (the local and static runs are shared):
                                       phase over the runs of each kind
     explore                           with `--explore`: `critical_path_ratio_stale_over_none`, the
                                       median iteration time of the explore run over explore_none
-                                      (same trace, same layout), with the update and rollout phases of
-                                      each; nothing lost; the exploration jobs' accounting (preempted
-                                      ones: leases revoked and steps lost)
+                                      (same trace, same layout) per pair, their median and range,
+                                      with the update and rollout phases of each; nothing lost; what
+                                      the explorers scored and selected; the exploration jobs'
+                                      accounting (preempted ones: leases revoked and steps lost)
 
 The window defaults per trace (`WINDOWS`) are chosen so that preemptions land on work: the run lasts
 a few minutes, and the busiest stretch of each trace, compressed, brings several preemptions into
@@ -160,6 +161,45 @@ def runtime_figures(rows: list[dict], kind: str = "rollout") -> dict:
     }
 
 
+def explore_figures(names: list[tuple[str, str]], pairs: list[tuple[list[dict], list[dict]]], layout: list[str], root: Path) -> dict:
+    """The exploration runs' block: per pair (explore_none, explore) the critical-path ratio, then
+    the median and range over the pairs, and each stale run's accounting (nothing lost; its
+    exploration jobs, the preempted ones among them; what it selected)."""
+    ratios, runs = [], []
+    for (none_name, stale_name), (n_rows, e_rows) in zip(names, pairs):
+        ratios.append(round(median_of(e_rows, "time/iteration_s") / median_of(n_rows, "time/iteration_s"), 3))
+        r = runtime_figures(e_rows)
+        e = runtime_figures(e_rows, "explore")
+        e["yielded_to_rollouts"] = e_rows[-1].get("runtime/explore_leases_yielded_total", 0)
+        runs.append({
+            "runs": [none_name, stale_name],
+            "iteration_s": {"none": median_of(n_rows, "time/iteration_s"), "stale": median_of(e_rows, "time/iteration_s")},
+            "update_s": {"none": median_of(n_rows, "time/update_s"), "stale": median_of(e_rows, "time/update_s")},
+            "rollout_s": {"none": median_of(n_rows, "time/rollout_s"), "stale": median_of(e_rows, "time/rollout_s")},
+            "lost_rollouts": r["submitted"] - r["delivered"] - r["cancelled"],
+            "duplicated_results": r["duplicated_results"],  # the runtime's one counter, rollout and explore jobs
+            "preemptions_hitting_work": r["preemptions_hitting_work"],
+            "candidates_scored_per_iteration": median_of(e_rows, "explore/candidates_scored"),
+            "prompts_selected_per_iteration": median_of(e_rows, "explore/prompts_selected"),
+            "fallback_late_per_iteration": median_of(e_rows, "explore/fallback_late"),
+            "explore_jobs": e,
+        })  # fmt: skip
+    return {
+        "baseline": "the same trace and layout with explore.mode=none, alternated with each stale run",
+        "layout": " ".join(layout) + " (emulated: the spot nodes are processes on this machine)",
+        "critical_path_ratio_stale_over_none": round(statistics.median(ratios), 3),
+        "critical_path_ratio_pairs": ratios,
+        "critical_path_ratio_range": [min(ratios), max(ratios)],
+        "lost_rollouts": sum(x["lost_rollouts"] for x in runs),
+        "duplicated_results": sum(x["duplicated_results"] for x in runs),
+        "prompts_selected_per_iteration": statistics.median(x["prompts_selected_per_iteration"] or 0 for x in runs),
+        "explore_leases_revoked": sum(x["explore_jobs"]["leases_revoked"] for x in runs),
+        "explore_steps_recomputed": sum(x["explore_jobs"]["steps_recomputed"] for x in runs),
+        "pairs": runs,
+        "runs_dir": str(root),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", type=Path, nargs="+", required=True, help="trace file(s) (any format spot.traces reads)")
@@ -175,6 +215,9 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=2, help="local and static runs, alternated, this many of each")
     p.add_argument("--explore", action="store_true",
                    help="also the first trace at the first notice lead with explore.mode=stale and with none, both with --explore-layout")  # fmt: skip
+    p.add_argument("--explore-pairs", type=int, default=3,
+                   help="explore_none and explore runs, alternated, this many of each (under a trace on 2 cores one "
+                        "run's median iteration drifts by up to half from the next one's: the ratio is taken per pair)")  # fmt: skip
     p.add_argument("--explore-layout", nargs="*", default=["runtime.local_cluster_cpus=1", "train.num_threads=1"],
                    help="overrides of the two exploration runs: by default the local cluster (every spot node, Ray's own "
                         "processes, the replay) on one CPU of its own and the trainer on the other, as separate machines "
@@ -233,7 +276,11 @@ def main() -> None:
     if args.explore:
         # Both on the same emulated layout: the cluster's processes on CPUs of their own.
         base = [*common, *cluster, *trace_args(args.trace[0], args.notice_s[0]), *args.explore_layout]
-        runs["explore_none"], runs["explore"] = base, [*base, "explore.mode=stale"]
+        if args.explore_pairs < 1:
+            p.error(f"--explore-pairs must be >= 1, got {args.explore_pairs}")
+        explore_pairs = [("explore_none", "explore")] + [(f"explore_none{i}", f"explore{i}") for i in range(1, args.explore_pairs)]
+        for none, stale in explore_pairs:
+            runs[none], runs[stale] = base, [*base, "explore.mode=stale"]
     root = args.keep or Path(tempfile.mkdtemp(prefix="spot-training-"))
     root.mkdir(parents=True, exist_ok=True)
     rows = {}
@@ -307,26 +354,7 @@ def main() -> None:
             "runs_dir": str(root / f"trace{k}"),
         }
         if args.explore and k == 0:
-            n_rows = run("explore_none")
-            e_rows = run("explore")
-            e = runtime_figures(e_rows, "explore")
-            e["yielded_to_rollouts"] = e_rows[-1].get("runtime/explore_leases_yielded_total", 0)
-            e["prompts_selected_per_iteration"] = median_of(e_rows, "explore/prompts_selected")
-            e["fallback_late_per_iteration"] = median_of(e_rows, "explore/fallback_late")
-            r = runtime_figures(e_rows)
-            result["explore"] = {
-                "baseline": f"the same trace and layout with explore.mode=none ({root / 'explore_none'})",
-                "layout": " ".join(args.explore_layout) + " (emulated: the spot nodes are processes on this machine)",
-                "critical_path_ratio_stale_over_none": round(median_of(e_rows, "time/iteration_s") / median_of(n_rows, "time/iteration_s"), 3),
-                "iteration_s": {"none": median_of(n_rows, "time/iteration_s"), "stale": median_of(e_rows, "time/iteration_s")},
-                "update_s": {"none": median_of(n_rows, "time/update_s"), "stale": median_of(e_rows, "time/update_s")},
-                "rollout_s": {"none": median_of(n_rows, "time/rollout_s"), "stale": median_of(e_rows, "time/rollout_s")},
-                "lost_rollouts": r["submitted"] - r["delivered"] - r["cancelled"],
-                "duplicated_results": r["duplicated_results"],
-                "rollout_run": r,
-                "explore_jobs": e,
-                "runs_dir": str(root / "explore"),
-            }
+            result["explore"] = explore_figures(explore_pairs, [(run(a), run(b)) for a, b in explore_pairs], args.explore_layout, root)
         print(json.dumps(result), flush=True)
 
 if __name__ == "__main__":

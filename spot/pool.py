@@ -145,6 +145,7 @@ class WorkerPool:
         on_demand_workers: workers on the driver's own node (pool "on_demand"); they take no Ray
             resources: they use the devices the driver (the trainer) leaves idle while it waits.
         worker_kwargs: more `Worker` arguments, for every worker.
+        on_demand_kwargs: more `Worker` arguments for the on-demand workers (over `worker_kwargs`).
         node_kwargs: more arguments per spot node, from its `ray.nodes()` entry:
             `node_kwargs(node) -> dict` (a speed, the node's metadata endpoint).
         imds_endpoint: instance-metadata endpoint spot workers watch for notices, unless their node
@@ -167,6 +168,7 @@ class WorkerPool:
         sp_degree: int = 1,
         on_demand_workers: int = 0,
         worker_kwargs: dict | None = None,
+        on_demand_kwargs: dict | None = None,
         node_kwargs: Callable[[dict], dict] | None = None,
         imds_endpoint: str | None = None,
         gpu: bool = False,
@@ -187,6 +189,7 @@ class WorkerPool:
         self.sp_degree = sp_degree
         self.on_demand_workers = on_demand_workers
         self.worker_kwargs = dict(worker_kwargs or {})
+        self.on_demand_kwargs = dict(on_demand_kwargs or {})
         self.node_kwargs = node_kwargs
         self.imds_endpoint = imds_endpoint
         self.gpu = gpu
@@ -278,6 +281,7 @@ class WorkerPool:
             resources = {"num_cpus": 0 if self.gpu else 1, "num_gpus": int(self.gpu), "resources": {SPOT: 1}}
         else:
             resources = {"num_cpus": 0, "num_gpus": 0}  # the driver's devices, idle while it waits
+            kwargs.update(self.on_demand_kwargs)
         kwargs.setdefault("backend", "nccl" if self.gpu else "gloo")
         actor = self._cls.options(
             **resources, max_concurrency=4, max_restarts=0, max_task_retries=0,

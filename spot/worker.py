@@ -43,12 +43,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from spot.cluster import pin_process
 from spot.jobqueue import ACCEPTED, RELEASE_ACKS, STALE, STOP, WAIT, YIELD, Lease, WeightsUpdate
 from spot.runner import JobRunner, RunnerFactory
 from spot.weights import (
@@ -139,6 +141,9 @@ class Worker:
         step_s: minimum wall time of one step (the rest is slept), to emulate a slower device
             without changing the bits (thread counts would).
         num_threads: torch CPU threads.
+        cpus: the CPUs this worker's process runs on (None: the ones it inherited from its node).
+            An emulation on one host gives the on-demand workers the trainer's CPUs: the devices
+            the trainer leaves idle while it waits for its rollout (`spot.cluster`).
         poll_s: first wait between pulls when the queue has nothing for it; doubles up to
             `idle_poll_s` while idle, and `wake` cuts it short (the driver wakes idle workers when
             jobs are submitted or requeued, so idle workers need not poll often: on a shared CPU
@@ -160,6 +165,7 @@ class Worker:
         commit_every: int = 4,
         step_s: float = 0.0,
         num_threads: int = 1,
+        cpus: Sequence[int] | None = None,
         poll_s: float = 0.02,
         idle_poll_s: float = 2.0,
         imds_endpoint: str | None = None,
@@ -170,6 +176,8 @@ class Worker:
         if commit_every < 1:
             raise ValueError(f"commit_every must be >= 1, got {commit_every}")
         t0 = time.monotonic()
+        if cpus:
+            pin_process(set(cpus))
         torch.set_num_threads(num_threads)
         self.runner: JobRunner = make_runner()
         self.worker_id = worker_id

@@ -290,7 +290,7 @@ class RuntimeConfig:
     emulated_step_s: float = 0.0
     """Minimum wall time of one denoising step on a worker, the rest slept: emulates a slower device (benchmarks and tests); 0 = off."""
     local_cluster_cpus: int = 0
-    """Local cluster only (emulation on one host): run its processes (Ray's, every node's workers, a trace replay) on the last this many of the trainer's CPUs and the trainer on the others, as separate machines would; 0 = all share every CPU. With train.num_threads 0 the trainer then uses one thread per CPU it keeps."""
+    """Local cluster only (emulation on one host): run its processes (Ray's, every spot node's workers, a trace replay) on the last this many of the trainer's CPUs and the trainer and its on-demand workers (which use the devices the trainer leaves idle) on the others, as separate machines would; 0 = all share every CPU. With train.num_threads 0 the trainer then uses one thread per CPU it keeps."""
     imds_endpoint: str = ""
     """Instance-metadata endpoint spot workers poll for interruption notices (AWS: http://169.254.169.254); empty: none, except a trace replay's fake ones."""
     trace: str = ""

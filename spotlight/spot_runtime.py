@@ -347,6 +347,9 @@ def start_runtime(cfg: DiTRecipe, run_dir: str | Path) -> SpotRuntime:
                 "commit_every": r.commit_every, "num_threads": r.worker_threads,
                 "imds_poll_s": r.notice_poll_s, "step_s": r.emulated_step_s,
             },  # fmt: skip
+            # Emulated separate machines: the on-demand workers use the trainer's devices (CPUs
+            # here), which it leaves idle while it waits for its rollout.
+            on_demand_kwargs={"cpus": sorted(trainer_cpus)} if trainer_cpus is not None else None,
             imds_endpoint=r.imds_endpoint or None,
             gpu=gpu,
         )

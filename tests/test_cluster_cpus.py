@@ -88,8 +88,9 @@ def test_children_inherit_the_block_mask_and_pinning_reaches_every_thread():
 
 @needs_two
 def test_the_runtime_starts_its_cluster_on_its_cpus_and_gives_the_trainer_the_rest(tiny_model_dir, tmp_path):
-    """Every process the runtime starts (Ray's, the nodes' workers) runs on the cluster's CPU; every
-    thread of the trainer on the others, with one torch thread per CPU; close gives them back."""
+    """Every process the runtime starts (Ray's, the spot nodes' workers) runs on the cluster's CPU;
+    every thread of the trainer and its on-demand worker on the others, with one torch thread per
+    CPU; close gives them back."""
     import ray
 
     from spotlight.spot_runtime import start_runtime
@@ -106,7 +107,11 @@ def test_the_runtime_starts_its_cluster_on_its_cpus_and_gives_the_trainer_the_re
         rt.wait_ready(cfg.runtime.startup_timeout_s)  # the workers are up: they were forked by the nodes
         started = descendants(os.getpid()) - before
         assert len(started) >= 4, started  # GCS, raylets, workers at least
-        off = {p: cpus for p in started if (cpus := allowed(p)) not in (None, cluster)}
+        # The on-demand worker uses the trainer's devices (idle while it waits): the trainer's CPUs.
+        on_demand = {m.pid for m in rt.runtime.pool.workers.values() if m.pool == "on_demand"}
+        assert len(on_demand) == cfg.runtime.on_demand_workers >= 1 and on_demand <= started
+        assert {p: allowed(p) for p in on_demand} == {p: trainer for p in on_demand}
+        off = {p: cpus for p in started - on_demand if (cpus := allowed(p)) not in (None, cluster)}
         assert not off, f"cluster processes outside CPU {sorted(cluster)}: {off}"
         assert ray.get(ray.remote(num_cpus=0)(lambda: os.sched_getaffinity(0)).remote()) == cluster
         tids = [int(t) for t in os.listdir("/proc/self/task")]
