@@ -567,3 +567,30 @@ def test_explore_window_benchmark_compares_the_windows_after_the_first_two_itera
     assert out["late_prompts"] == {"update": 2, "iteration": 0}
     with pytest.raises(ValueError, match="more than 2 iterations"):
         module.summarize_run(rows([], 0))
+
+
+def test_spot_training_benchmark_takes_the_critical_path_ratio_per_pair():
+    """benchmarks/spot_training.py --explore: each stale run over the none run it alternated with
+    (median iterations after the first two), then the median and range of those ratios; a rollout
+    job neither delivered nor cancelled counts as lost."""
+    module = load_benchmark("spot_training")
+
+    def rows(iteration_s: float, lost: int = 0, selected: float = 0.0) -> list[dict]:
+        last = {
+            "runtime/rollout_jobs_submitted_total": 10, "runtime/rollout_jobs_done_total": 10 - lost,
+            "runtime/explore_jobs_submitted_total": 6, "runtime/explore_jobs_done_total": 4,
+            "runtime/explore_jobs_cancelled_total": 2, "runtime/explore_leases_revoked_total": 1,
+            "runtime/explore_steps_recomputed_total": 3,
+        }  # fmt: skip
+        return [{"time/iteration_s": 99.0, "time/update_s": 1.0, "time/rollout_s": 1.0, "explore/prompts_selected": selected}] * 2 + [
+            {"time/iteration_s": iteration_s, "time/update_s": 1.0, "time/rollout_s": 1.0, "explore/prompts_selected": selected, **last}
+        ] * 3  # fmt: skip
+
+    names = [("explore_none", "explore"), ("explore_none1", "explore1"), ("explore_none2", "explore2")]
+    pairs = [(rows(10.0), rows(10.4, selected=2)), (rows(20.0), rows(19.0, selected=1)), (rows(10.0), rows(12.0, lost=1, selected=3))]
+    out = module.explore_figures(names, pairs, ["runtime.local_cluster_cpus=1"], Path("/runs"))
+    assert out["critical_path_ratio_pairs"] == [1.04, 0.95, 1.2]
+    assert out["critical_path_ratio_stale_over_none"] == 1.04 and out["critical_path_ratio_range"] == [0.95, 1.2]
+    assert out["lost_rollouts"] == 1 and out["prompts_selected_per_iteration"] == 2
+    assert out["explore_leases_revoked"] == 3 and out["explore_steps_recomputed"] == 9
+    assert "emulated" in out["layout"] and "explore.mode=none" in out["baseline"]
