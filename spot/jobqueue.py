@@ -39,13 +39,14 @@ way), and jobs whose version is not published yet simply wait. The queue keeps t
 newest version and of every version an unfinished job still needs.
 
 Tail hand-off (pull only, `handoff=True`): when a free worker finds nothing pending, it may take
-over a running job from a slower worker. The queue keeps each worker's time per step (from the gaps
-between its reports); if the free worker, resuming from the holder's next reported step, would
+over a running job from a slower worker. The queue keeps each worker's time per step of each job
+kind (from the gaps between its reports); if the free worker, resuming from the holder's next reported step, would
 finish the job (`Job.num_steps`) at least `handoff_margin` of its own steps sooner than the holder,
 the lease is marked. The holder's next report answers HANDOFF; it commits its current step with
 `release=True` (nothing recomputed) and the job waits, reserved for the free worker for
 `reserve_s`, first in line. With heterogeneous workers the run's last jobs migrate to the fast ones
-instead of finishing on the slowest (a push scheduler has no such move).
+instead of finishing on the slowest (a push scheduler has no such move). A job with
+`handoff=False` (exploration: no one waits for it) is never moved.
 
 Accounting: each lease records the last step its worker reported (`progress`). When a lease ends
 early, the steps past the job's last commit are lost and counted in `recomputed_steps`; a worker
@@ -97,6 +98,9 @@ class Job:
     """A label for accounting (`JobQueue.stats_by_kind`), e.g. "rollout" or "explore"."""
     pools: tuple[str, ...] = ()
     """Worker pools that may run it; empty: any."""
+    handoff: bool = True
+    """Whether the tail hand-off may move it to a faster free worker (False for work nobody waits
+    for, such as exploration: moving it costs a commit and a restart and shortens no critical path)."""
 
 
 @dataclass(frozen=True)
@@ -245,7 +249,7 @@ class JobQueue:
         self.handoff = handoff
         self.handoff_margin = handoff_margin
         self.reserve_s = reserve_s
-        self._step_s: dict[str, float] = {}  # worker -> seconds per step (moving average)
+        self._step_s: dict[tuple[str, str], float] = {}  # (worker, job kind) -> seconds per step (moving average)
         self._clock = clock
         self._entries: dict[int, _Entry] = {}
         self._pending: dict[int, deque[int]] = {}  # priority -> job ids in line
@@ -440,21 +444,21 @@ class JobQueue:
     def _ask_for_handoff(self, worker_id: str, version: int) -> None:
         """Mark the running job of `version` that `worker_id` (free, holding those weights) would
         finish soonest relative to its holder."""
-        mine = self._step_s.get(worker_id)
-        if mine is None or any(ls.handoff_to == worker_id for ls in self._leases.values()):
+        if any(ls.handoff_to == worker_id for ls in self._leases.values()):
             return
-        best, best_gain = None, self.handoff_margin * mine
+        best, best_gain = None, 0.0
         for ls in self._leases.values():
-            theirs = self._step_s.get(ls.worker_id)
             job = self._entries[ls.job_id].job
-            if ls.handoff_to is not None or theirs is None or ls.worker_id == worker_id or ls.yielding:
+            # Step times of the same kind of job (an exploration step and a rollout step differ).
+            mine, theirs = self._step_s.get((worker_id, job.kind)), self._step_s.get((ls.worker_id, job.kind))
+            if ls.handoff_to is not None or mine is None or theirs is None or ls.worker_id == worker_id or ls.yielding or not job.handoff:
                 continue
             if job.version != version:
                 continue  # it would have to load other weights first
             # The holder finishes its step in flight, commits it and hands over; both then need the rest.
             left = job.num_steps - ls.progress - 1
             gain = left * (theirs - mine)
-            if left > 0 and gain > best_gain:
+            if left > 0 and gain > self.handoff_margin * mine and gain > best_gain:
                 best, best_gain = ls, gain
         if best is not None:
             best.handoff_to = worker_id
@@ -573,8 +577,9 @@ class JobQueue:
         if step > ls.progress:
             # Time per step of this worker, from consecutive reports (a moving average: speeds drift).
             per_step = (now - ls.reported_at) / (step - ls.progress)
-            old = self._step_s.get(ls.worker_id)
-            self._step_s[ls.worker_id] = per_step if old is None else 0.7 * old + 0.3 * per_step
+            key = (ls.worker_id, self._entries[ls.job_id].job.kind)
+            old = self._step_s.get(key)
+            self._step_s[key] = per_step if old is None else 0.7 * old + 0.3 * per_step
             self._count(self._entries[ls.job_id].job, steps_reported=step - ls.progress)
             ls.progress, ls.reported_at = step, now
         ls.deadline = now + self.lease_timeout_s

@@ -283,7 +283,7 @@ class RuntimeExplorers:
         cfg = self.rt.cfg
         self.rt.runtime.submit([
             Job(job_id, job, version=job.version, priority=explore_priority(job.iteration),
-                num_steps=explore_num_steps(cfg, job), kind=EXPLORE, pools=(SPOT,))
+                num_steps=explore_num_steps(cfg, job), kind=EXPLORE, pools=(SPOT,), handoff=False)
         ])  # fmt: skip
         return job_id
 

@@ -101,6 +101,27 @@ def test_a_free_fast_worker_takes_the_tail_job_over_from_a_slow_one():
     assert q.stats.handoffs == 1 and q.stats.recomputed_steps == 0
 
 
+def test_a_job_that_opts_out_of_the_hand_off_stays_with_its_slow_holder():
+    """Job.handoff=False (exploration: nobody waits for it) is never moved to a free faster worker."""
+    clock = FakeClock()
+    q = JobQueue(clock=clock, handoff=True, lease_timeout_s=100)
+    q.submit([Job(0, num_steps=10), Job(1, num_steps=10, handoff=False)])
+    fast, slow = q.pull("fast"), q.pull("slow")
+    assert slow.job.job_id == 1
+    for step in range(1, 11):  # as above: the fast worker 1 s per step, the slow one 4 s
+        clock.now = float(step)
+        if step < 10:
+            assert q.progress(fast.lease_id, step) == ACCEPTED
+        if step % 4 == 0:
+            assert q.progress(slow.lease_id, step // 4) == ACCEPTED
+    assert q.complete(fast.lease_id, 10, latent(10)) == ACCEPTED
+    assert q.pull("fast") == WAIT
+    clock.now = 12.0
+    assert q.progress(slow.lease_id, 3) == ACCEPTED  # where the hand-off answered HANDOFF
+    assert q.complete(slow.lease_id, 10, latent(10)) == ACCEPTED
+    assert q.stats.handoffs == 0
+
+
 def test_the_lease_log_says_who_ran_which_steps_of_each_job_and_how_each_lease_ended():
     clock = FakeClock()
     q = JobQueue(clock=clock, lease_timeout_s=100)
