@@ -76,19 +76,24 @@ def test_queue_hands_each_job_out_once_and_delivers_each_result_once():
     assert q.pull("a") == STOP
 
 
-def test_a_free_fast_worker_takes_the_tail_job_over_from_a_slow_one():
-    """Tail hand-off: the slow holder commits its current step and the fast worker resumes from it."""
-    clock = FakeClock()
-    q = JobQueue(clock=clock, handoff=True, lease_timeout_s=100)
-    q.submit(make_jobs(2))
-    slow, fast = q.pull("slow"), q.pull("fast")
-    for step in range(1, 11):  # the fast worker takes 1 s per step, the slow one 4 s
+def fast_then_slow(q: JobQueue, clock: FakeClock, fast, slow) -> None:
+    """Ten seconds of two leases: the fast worker 1 s per step (it completes its job), the slow one 4 s."""
+    for step in range(1, 11):
         clock.now = float(step)
         if step < 10:
             assert q.progress(fast.lease_id, step) == ACCEPTED
         if step % 4 == 0:
             assert q.progress(slow.lease_id, step // 4) == ACCEPTED
     assert q.complete(fast.lease_id, 10, latent(10)) == ACCEPTED
+
+
+def test_a_free_fast_worker_takes_the_tail_job_over_from_a_slow_one():
+    """Tail hand-off: the slow holder commits its current step and the fast worker resumes from it."""
+    clock = FakeClock()
+    q = JobQueue(clock=clock, handoff=True, lease_timeout_s=100)
+    q.submit(make_jobs(2))
+    slow, fast = q.pull("slow"), q.pull("fast")
+    fast_then_slow(q, clock, fast, slow)
     assert q.pull("fast") == WAIT  # nothing pending: it asks for the slow worker's job
     clock.now = 12.0
     assert q.progress(slow.lease_id, 3) == HANDOFF
@@ -108,13 +113,7 @@ def test_a_job_that_opts_out_of_the_hand_off_stays_with_its_slow_holder():
     q.submit([Job(0, num_steps=10), Job(1, num_steps=10, handoff=False)])
     fast, slow = q.pull("fast"), q.pull("slow")
     assert slow.job.job_id == 1
-    for step in range(1, 11):  # as above: the fast worker 1 s per step, the slow one 4 s
-        clock.now = float(step)
-        if step < 10:
-            assert q.progress(fast.lease_id, step) == ACCEPTED
-        if step % 4 == 0:
-            assert q.progress(slow.lease_id, step // 4) == ACCEPTED
-    assert q.complete(fast.lease_id, 10, latent(10)) == ACCEPTED
+    fast_then_slow(q, clock, fast, slow)
     assert q.pull("fast") == WAIT
     clock.now = 12.0
     assert q.progress(slow.lease_id, 3) == ACCEPTED  # where the hand-off answered HANDOFF
