@@ -7,7 +7,7 @@ each schedule from the same weights, with the same seeded rollout and fixed adva
 - vision_encoder_calls_per_prompt: images the towers really encoded (forward hooks) / prompts.
 - step_time_ratio_serial_over_rollplex: median step time of serial / rollplex, measured side by
   side (alternating, after a warm-up). The model and image are sized so the prompt prefix is most
-  of each sequence (`prefix_fraction`; real VLM workloads: 79-98%, design.md §3.5).
+  of each sequence (`prefix_fraction`; real VLM workloads: 79-98%, the Rollplex paper).
 - peak_mem (MiB): live tensor bytes per phase (`vlm.memory.TensorLedger`: every storage from its
   allocation to its last reference) on top of the permanent state (weights, reference copy, AdamW
   moments). naive_colocation keeps every engine's working set resident at once: a rollout copy of

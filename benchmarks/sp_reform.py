@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # bind every Ray process to 127.0.0.1 (design.md §4)
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # bind every Ray process to 127.0.0.1 (spot.localray.import_ray_on_loopback)
 
 import torch
 

@@ -1,6 +1,6 @@
 """Kendall's tau between seed rankings under stale and fresh weights, in a real tiny GRPO run.
 
-Spotlight's claim (design.md §3.4): ranking a prompt's seeds by reward under θ_{k-s} gives nearly
+Spotlight's claim (the Spotlight paper): ranking a prompt's seeds by reward under θ_{k-s} gives nearly
 the ranking under θ_k, so seeds can be explored with stale weights off the critical path.
 
 The run trains the recipe (default configs/dit/tiny-shapes.yaml, its own objective) with the same

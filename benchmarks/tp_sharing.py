@@ -2,7 +2,7 @@
 
 Builds `Qwen2_5_VLForConditionalGeneration` with the 32B architecture on the meta device (no
 weights, nothing downloaded), plans weight sharing between training TP `--train-tp` and rollout
-TP `--rollout-tp` (`vlm.tp_sharing`, design.md §3.5), and reports the fraction of parameters in
+TP `--rollout-tp` (`vlm.tp_sharing`, the Rollplex paper), and reports the fraction of parameters in
 each class (share / view / rebuild; shared_fraction = share + view), the per-device bf16 bytes
 of a rollout shard and of the rebuild buffers, and the same figures for a layout whose text q/k/v
 are one fused [Q; K; V] tensor (vLLM's `qkv_proj`), the case Rollplex's 7.2% rebuild matches.

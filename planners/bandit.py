@@ -1,6 +1,6 @@
 """The bandit planner: spend the exploration budget where selection adds the most reward variance.
 
-The Spotlight paper does not publish its planner (design.md §3.4); this is our design.
+The Spotlight paper does not publish its planner (docs/architecture.md, "Seed exploration"); this is our design.
 
 Arms and value. An arm is a prompt; pulling it with n candidate seeds lets `select_contrast`
 ("extremes": top ceil(G/2), bottom floor(G/2)) pick the group from n draws instead of using G

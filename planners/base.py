@@ -1,6 +1,6 @@
 """The planner interface: plan an exploration budget over prompts, observe rewards, checkpoint.
 
-A planner answers one question per Spotlight iteration (design.md §2, step 3): while the trainer
+A planner answers one question per Spotlight iteration (docs/architecture.md, "One iteration"): while the trainer
 updates θ_k, how many candidate seeds should the spot explorers sample for each prompt of the next
 batch? `plan` turns a budget into an `Allocation`; `observe` feeds back the rewards the iteration
 revealed; `state_dict` / `load_state_dict` let a training run checkpoint and resume a planner so

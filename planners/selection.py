@@ -1,6 +1,6 @@
 """Choosing the G seeds of a GRPO group from explored candidates, and the variance they capture.
 
-GRPO learns only from groups whose rewards differ (design.md §3.3): a group's reward variance is
+GRPO learns only from groups whose rewards differ (GRPO, Shao et al. 2024): a group's reward variance is
 the signal it carries. Exploration scores many candidate seeds of a prompt with stale weights;
 `select_contrast` keeps a high-contrast subset of G of them for the fresh rollout, and
 `captured_variance` is the figure every planner is judged by: the population variance of the

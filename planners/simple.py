@@ -1,6 +1,6 @@
 """Baseline planners: none (no exploration), uniform (the same for every prompt), greedy (by last variance).
 
-They are the controls the bandit is measured against (design.md §3.4); all keep the `Planner`
+They are the controls the bandit is measured against (docs/architecture.md, "Seed exploration"); all keep the `Planner`
 invariants (budget never exceeded, 0 or >= G + 1 candidates per prompt, deterministic plans).
 """
 

@@ -1,5 +1,5 @@
 """Capacity that can vanish: node pools, preemption signals, trace replay, the pull scheduler,
-the S3 weight store, cost accounting (design.md §4).
+the S3 weight store, cost accounting (docs/spot.md).
 
 So far:
     store, s3    `open_store(url)`: checkpoints and weights in a local directory or on S3, folders

@@ -1,6 +1,6 @@
 """Watch the EC2 instance-metadata service (IMDSv2) for spot interruption and rebalance notices.
 
-Protocol (design.md §4): `PUT /latest/api/token` with header `X-aws-ec2-metadata-token-ttl-seconds`
+Protocol (AWS EC2 instance metadata, IMDSv2): `PUT /latest/api/token` with header `X-aws-ec2-metadata-token-ttl-seconds`
 returns a session token; every GET carries it as `X-aws-ec2-metadata-token`.
 
     GET /latest/meta-data/spot/instance-action          404, or {"action": "terminate", "time": "...Z"}

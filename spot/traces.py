@@ -1,7 +1,7 @@
 """Spot-capacity traces: four public formats read into one type, plus a seeded synthetic generator.
 
 A `Trace` is a time-ordered list of `TraceEvent`s, each a node being added or preempted. Formats
-(design.md §4; the shipped files and their sources are described in the traces README):
+(docs/spot.md; the shipped files and their sources are described in the traces README):
 
     parcae-csv     rows `ms,add|remove,nodeN`, one event per row (Parcae, NSDI'24)
     parcae-jsonl   rows `[ms, "add"|"remove"|"no-op", {"nodes": [...], "duration": ms, ...}]`

@@ -1,4 +1,4 @@
-"""Seed exploration with stale weights: which seeds each GRPO group trains on (design.md §2, §3.4).
+"""Seed exploration with stale weights: which seeds each GRPO group trains on (docs/architecture.md, "Seed exploration").
 
 GRPO learns only from groups whose rewards differ. Exploration samples many candidate seeds per
 prompt, scores them with the recipe's reward, and keeps a high-contrast group of G of them

@@ -2,7 +2,7 @@
 
 Shape legend: T_i valid text tokens of prompt i (template prefix dropped), D text hidden size.
 
-Encoding the prompts is the response-independent prefix work of the DiT path (design.md §3.5,
+Encoding the prompts is the response-independent prefix work of the DiT path (the Rollplex paper,
 issue 8): the Qwen2.5-VL text encoder's hidden states depend only on the prompt and the encoder's
 weights, never on the seed or the transformer's weights. A step needs them in several phases (the
 rollout's chunks, the update's minibatches, the reference and old-policy forwards inside it), and

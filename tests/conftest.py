@@ -8,7 +8,7 @@ import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
 # Ray reads this when it is imported, and some test modules import ray at collection: every Ray node
-# a test starts must bind to 127.0.0.1 (design.md §4; spot.localray.import_ray_on_loopback).
+# a test starts must bind to 127.0.0.1 (docs/spot.md; spot.localray.import_ray_on_loopback).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("WANDB_SILENT", "true")
 

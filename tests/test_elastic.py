@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-# Bind every Ray process to 127.0.0.1; read when `ray` is first imported (design.md §4).
+# Bind every Ray process to 127.0.0.1; read when `ray` is first imported (spot.localray.import_ray_on_loopback).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import logging

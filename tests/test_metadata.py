@@ -337,7 +337,7 @@ def test_drain_node_on_notice_on_a_local_cluster(imds):
 
     from spot.localray import import_ray_on_loopback
 
-    ray = import_ray_on_loopback()  # every raylet on 127.0.0.1 (design.md §4)
+    ray = import_ray_on_loopback()  # every raylet on 127.0.0.1 (spot.localray)
     from ray._raylet import GcsClient
     from ray.cluster_utils import Cluster
 

@@ -21,7 +21,7 @@ from spotlight.sampling import (
 
 
 def _reference_step(v, x, sigma, sigma_next, a, x_next):
-    """Independent float64 evaluation of design.md §3.2, written from the formulas."""
+    """Independent float64 evaluation of the Flow-GRPO SDE sampler, Liu et al. 2025, written from the formulas."""
     v, x, x_next = (np.asarray(t, dtype=np.float64) for t in (v, x, x_next))
     dt = sigma_next - sigma
     denom_sigma = sigma_next if sigma == 1.0 else sigma

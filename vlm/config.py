@@ -187,7 +187,7 @@ class TrainConfig:
     num_threads: int = 0
     """torch CPU threads; 0 keeps torch's default."""
     schedule: Literal["serial", "rollplex"] = "rollplex"
-    """Phase schedule (design.md §3.5): "serial" runs each phase over the whole sequence; "rollplex" runs the reference and actor prefixes (vision tower + prompt prefill, once per prompt) during decode and only the response suffix after. Same losses up to float order."""
+    """Phase schedule (the Rollplex paper): "serial" runs each phase over the whole sequence; "rollplex" runs the reference and actor prefixes (vision tower + prompt prefill, once per prompt) during decode and only the response suffix after. Same losses up to float order."""
 
     def validate(self) -> None:
         if self.schedule not in ("serial", "rollplex"):

@@ -11,7 +11,7 @@ starts (weights, the reference copy, moments of earlier steps) are the *permanen
 measured separately by `state_bytes`. Dispatch modes are per thread: a worker thread enters its
 own `ledger.mode()`; the counters are shared under a lock.
 
-Memory classes (design.md §3.5): permanent (weights, optimizer moments: stream them on a real
+Memory classes (the Rollplex paper): permanent (weights, optimizer moments: stream them on a real
 cluster), regenerable (a rollout copy of the weights), boundary (Rollplex's prefix state: KV caches
 and shared vision features of P prompts, alive from the rollout to the update), phase-local
 (activations, logits, generate's KV cache: freed at the end of their phase).

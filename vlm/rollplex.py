@@ -1,4 +1,4 @@
-"""The Rollplex schedule (design.md §3.5): prefix work during decode, suffix-only scoring after.
+"""The Rollplex schedule (the Rollplex paper): prefix work during decode, suffix-only scoring after.
 
 Shape legend: P prompts, G samples per prompt, B = P * G rollout rows (prompt-major: row r is a
 sample of prompt r // G), b rows of a micro-batch, L prompt tokens (left-padded), T response
@@ -50,7 +50,7 @@ from vlm.rollout import Rollout
 
 
 class BarrierViolation(RuntimeError):
-    """A schedule broke one of the synchronous-semantics barriers of design.md §3.5."""
+    """A schedule broke one of the synchronous-semantics barriers of the Rollplex paper."""
 
 
 class WeightsVersion:

@@ -1,4 +1,4 @@
-"""Weight sharing between a training and a rollout tensor-parallel layout (Rollplex, design.md §3.5).
+"""Weight sharing between a training and a rollout tensor-parallel layout (the Rollplex paper).
 
 Colocated RL keeps the policy twice on the same devices: sharded for training at TP degree t
 and sharded for rollout (the inference engine) at TP degree r. Rollplex reports that most of the

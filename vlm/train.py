@@ -4,7 +4,7 @@ Read it top to bottom. Every random choice of iteration k (its examples, the sam
 minibatch order) derives from (train.seed, k), so a run resumed from the checkpoint after
 iteration k repeats exactly what the uninterrupted run would have done.
 
-`train.schedule` picks how the phases run (design.md §3.5). `serial` (`SerialSchedule`, below):
+`train.schedule` picks how the phases run (the Rollplex paper). `serial` (`SerialSchedule`, below):
 each phase runs the whole model over [prompt, response] in turn, as veRL and TRL do. `rollplex`
 (`vlm.rollplex.RollplexSchedule`): the response-independent prefix of the reference and actor
 passes runs while the rollout decodes, and the later phases run only the response suffix; the

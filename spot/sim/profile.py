@@ -145,7 +145,7 @@ _QWEN_IMAGE_512 = dict(
     weight_sync_s=5.0,
     # A spot instance boots (~60 s) and loads ~40 GB of bf16 weights (~90 s).
     node_startup_s=150.0,
-    # Ray's health checks tuned as in docs/spot.md (1 s period, 2 misses): ~4 s (design.md §4).
+    # Ray's health checks tuned as in docs/spot.md (1 s period, 2 misses): ~4 s.
     detect_s=4.0,
     poll_s=1.0,
     commit_every=2,
