@@ -16,11 +16,11 @@ own, for the same fixed number of iterations (`--iterations`, no time budget, ex
               `--notice-s S` > 0 a notice S trace seconds ahead through each node's fake metadata
               endpoint
     explore_noneI, exploreI   with `--explore`: the first trace at the first notice lead, with
-              explore.mode=none and with stale, alternated `--explore-pairs` times (exploration jobs on the spot workers, at a lower
-              priority), both with `--explore-layout`: by default the local cluster's processes on
-              one CPU of their own and the trainer on the other (runtime.local_cluster_cpus=1
-              train.num_threads=1), so that explorers do not compute on the trainer's CPU, as on
-              separate machines (emulated)
+              explore.mode=none and with stale, alternated `--explore-pairs` times (exploration
+              jobs on the spot workers, at a lower priority), all with `--explore-layout`: by
+              default the spot nodes' processes on one CPU of their own, the trainer and its
+              on-demand worker on the other (runtime.local_cluster_cpus=1 train.num_threads=1), so
+              that explorers do not compute on the trainer's CPU, as on separate machines (emulated)
 
 One JSON line per trace and notice lead (the local and static runs are shared):
 

@@ -40,9 +40,9 @@ newest version and of every version an unfinished job still needs.
 
 Tail hand-off (pull only, `handoff=True`): when a free worker finds nothing pending, it may take
 over a running job from a slower worker. The queue keeps each worker's time per step of each job
-kind (from the gaps between its reports); if the free worker, resuming from the holder's next reported step, would
-finish the job (`Job.num_steps`) at least `handoff_margin` of its own steps sooner than the holder,
-the lease is marked. The holder's next report answers HANDOFF; it commits its current step with
+kind (from the gaps between its reports); if the free worker, resuming from the holder's next
+reported step, would finish the job (`Job.num_steps`) at least `handoff_margin` of its own steps
+sooner than the holder, the lease is marked. The holder's next report answers HANDOFF; it commits its current step with
 `release=True` (nothing recomputed) and the job waits, reserved for the free worker for
 `reserve_s`, first in line. With heterogeneous workers the run's last jobs migrate to the fast ones
 instead of finishing on the slowest (a push scheduler has no such move). A job with
