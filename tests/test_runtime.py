@@ -787,12 +787,13 @@ def test_published_weights_reach_the_workers_through_the_queue(cluster, pool, ti
         rt.tick()
         time.sleep(0.05)
     (late,) = {g.group_id for g in pool.running()} - before
-    # One more job that only the late worker may take: without it the earlier workers could run all
-    # six before the late one first pulls, and it would never need version 1.
-    extra = row_job(706, version=1)
-    ray.get(rt.queue.submit.remote([extra], [late]))
-    rt.num_jobs += 1
-    jobs.append(extra)
+    # One more job for each worker, only it may take: without them the first worker to pull could
+    # run all six (the late worker, on a fast node, did) and another would never need version 1.
+    serve = [late, *sorted(before)]
+    extras = [row_job(706 + i, version=1) for i in range(len(serve))]
+    ray.get(rt.queue.submit.remote(extras, serve))
+    rt.num_jobs += len(extras)
+    jobs += extras
     rt.publish(1, state)
     report = rt.run(timeout_s=60)
     rt.close()

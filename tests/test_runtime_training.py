@@ -87,10 +87,15 @@ def cluster():
             imds.stop()
 
 
-def strike_when_past_a_commit(cluster, monkeypatch, act) -> list:
+def strike_when_past_a_commit(cluster, monkeypatch, act, *, wait_node_lost: bool = False) -> list:
     """From the second iteration's rollout on, once a spot worker holds a rollout job past a
     commit, call act(cluster, node name) once (on a thread, so the rollout goes on). Returns the
-    list it appends (node, job, committed step, progress) to."""
+    list it appends (node, job, committed step, progress) to.
+
+    wait_node_lost: after the struck rollout, wait until the runtime counts the node lost. Ray
+    declares a killed node dead after its health checks (2-4 s here); the job resumes sooner, from
+    its worker's death, and the tiny run can end before the declaration, leaving the preemption
+    uncounted (a longer run counts it an iteration later)."""
     import ray
 
     from spotlight.spot_runtime import SpotRuntime
@@ -115,7 +120,11 @@ def strike_when_past_a_commit(cluster, monkeypatch, act) -> list:
     def rollout_and_strike(self, version, *args, **kwargs):
         if version == 1 and not struck:
             threading.Thread(target=watch, args=(self,), daemon=True).start()
-        return rollout(self, version, *args, **kwargs)
+        out = rollout(self, version, *args, **kwargs)
+        deadline = time.monotonic() + 30
+        while wait_node_lost and struck and not self.runtime.pool.nodes_lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return out
 
     monkeypatch.setattr(SpotRuntime, "rollout", rollout_and_strike)
     return struck
@@ -124,7 +133,7 @@ def strike_when_past_a_commit(cluster, monkeypatch, act) -> list:
 def test_a_spot_node_killed_mid_rollout_changes_nothing_in_the_weights(tiny_model_dir, local_run, cluster, tmp_path, monkeypatch):
     from spotlight.train import run_training
 
-    struck = strike_when_past_a_commit(cluster, monkeypatch, lambda c, name: c.remove_node(name))  # SIGKILL, no notice
+    struck = strike_when_past_a_commit(cluster, monkeypatch, lambda c, name: c.remove_node(name), wait_node_lost=True)  # SIGKILL, no notice
     run_training(recipe(tiny_model_dir, rollouts="cluster", ray_address=cluster.address), tmp_path, progress=False)
     assert struck, "no spot worker held a rollout job past a commit"
     last = read_metrics(tmp_path)[-1]
