@@ -1,4 +1,4 @@
-"""Kendall's tau between seed rankings under stale and fresh weights, in a real tiny GRPO run.
+"""Seed rankings and selections under stale (and cheap) scores against fresh ones, in a real tiny GRPO run.
 
 Spotlight's claim (the Spotlight paper): ranking a prompt's seeds by reward under θ_{k-s} gives nearly
 the ranking under θ_k, so seeds can be explored with stale weights off the critical path.
@@ -12,14 +12,24 @@ rollout sampler (the recipe's steps, SDE window, noise level and sde_type: seeds
 trajectories, so "the reward of seed s under θ" is well defined):
 
     set A = derive_seed(train.seed, k, p, i), i < S   (its first G are the rollout's own seeds)
-    set B = derive_seed(train.seed, k, p, S + i)       (unrelated seeds, for the control)
 
-and takes, per prompt, Kendall's tau-b (scipy.stats.kendalltau) between
-  - stale:   rewards of A under θ_k and rewards of A under θ_{k-s}, seed by seed;
-  - control: rewards of A under θ_k and rewards of B under θ_{k-1}, paired by index (expected ~0).
-A prompt whose rewards are constant under either weights has no ranking; it is skipped and
-counted. Taus are averaged over prompts and measurement iterations. The control does not depend
-on s and is repeated on every line. Prints one JSON line per staleness.
+under θ_k (fresh) and under θ_{k-s} (stale), where the stale side may be cheap (`--explore-steps N`: N denoising steps from the same seeded
+initial noise, as explorers with `explore.num_steps` sample), and the fresh side is always the
+rollout's full sampler. Per prompt it takes
+
+  - Kendall's tau-b (scipy.stats.kendalltau) between the stale (cheap) and the fresh rewards of
+    set A, seed by seed;
+  - the selection it drives: the G seeds `planners.select_contrast` ("extremes") keeps by stale
+    score against those it would keep by fresh score (the oracle's). `selection_overlap` is the
+    shared fraction; `variance_captured` the fresh-reward variance of the stale-selected group
+    over that of the oracle's group (what the update sees);
+  - the control, random selection of the same S seeds (`--random-draws` draws per prompt): its
+    overlap and variance captured, and those of the default seeds (the first G, plain GRPO).
+    Random overlap is G / S in expectation; a stale selection is worth as much as it exceeds it.
+
+A prompt whose rewards are constant under either weights has no ranking; it is skipped for tau
+and counted. Figures are averaged over prompts and measurement iterations. Prints one JSON line
+per staleness.
 
     .venv/bin/python benchmarks/stale_ranking.py                       # ~4 min on 2 idle cores
     .venv/bin/python benchmarks/stale_ranking.py --iterations 12 train.lr=1e-4
@@ -48,6 +58,7 @@ from spotlight.policy import DiTPolicy, load_policy, load_trainable_state, train
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import CombinedReward, build_reward
 from spotlight.rollout import resolve_autocast, rollout
+from planners import group_variance, select_contrast
 from spotlight.sampling import derive_seed, qwen_image_sigmas
 from spotlight.train import plan_iteration
 from spotlight.trainer import GRPOTrainer
@@ -105,11 +116,14 @@ class IterationPlan:
 Hook = Callable[[TinyRun, IterationPlan], None]
 
 
-def sample_rewards(run: TinyRun, policy: DiTPolicy, prompts: Sequence[str], seeds: Sequence[int], sde_steps: Sequence[int]) -> np.ndarray:
-    """(B,) rewards of one trajectory per (prompt, seed), sampled exactly as the training rollout samples."""
+def sample_rewards(
+    run: TinyRun, policy: DiTPolicy, prompts: Sequence[str], seeds: Sequence[int], sde_steps: Sequence[int], sigmas: torch.Tensor | None = None
+) -> np.ndarray:
+    """(B,) rewards of one trajectory per (prompt, seed), sampled exactly as the training rollout
+    samples (or on another schedule `sigmas`: cheap exploration)."""
     s = run.cfg.sample
     ro = rollout(
-        policy, prompts, seeds, run.sigmas,
+        policy, prompts, seeds, run.sigmas if sigmas is None else sigmas,
         noise_level=s.noise_level,
         sde_steps=sde_steps,
         sde_type=s.sde_type,
@@ -191,23 +205,52 @@ def tau_b(x: np.ndarray, y: np.ndarray) -> float | None:
     return float(kendalltau(x, y, variant="b").statistic)
 
 
-class RankingProbe:
-    """Hook that keeps the last states and measures tau at the chosen iterations."""
+def selection_figures(fresh: np.ndarray, stale: np.ndarray, group_size: int, rng: np.random.Generator, draws: int) -> dict[str, float] | None:
+    """What selecting G of one prompt's S seeds by stale score gives, against the oracle's choice
+    (by fresh score), random choices of the same seeds, and the default seeds (the first G).
 
-    def __init__(self, run: TinyRun, *, staleness: Sequence[int], measure_at: Sequence[int], num_prompts: int, num_seeds: int):
+    Returns None when the fresh rewards are constant (no group has any variance to capture).
+    """
+    S = len(fresh)
+    oracle = set(select_contrast(fresh, group_size))
+    best = group_variance(fresh[sorted(oracle)])
+    if best == 0:
+        return None
+    chosen = select_contrast(stale, group_size)
+    randoms = [sorted(rng.choice(S, size=group_size, replace=False)) for _ in range(draws)]
+    return {
+        "overlap_stale": len(oracle & set(chosen)) / group_size,
+        "overlap_random": float(np.mean([len(oracle & set(r)) / group_size for r in randoms])),
+        "captured_stale": group_variance(fresh[chosen]) / best,
+        "captured_random": float(np.mean([group_variance(fresh[r]) for r in randoms])) / best,
+        "captured_default": group_variance(fresh[:group_size]) / best,
+    }
+
+
+class RankingProbe:
+    """Hook that keeps the last states and measures tau and selection at the chosen iterations."""
+
+    def __init__(
+        self, run: TinyRun, *, staleness: Sequence[int], measure_at: Sequence[int], num_prompts: int, num_seeds: int,
+        explore_steps: int = 0, random_draws: int = 32,
+    ):  # fmt: skip
         if num_prompts > run.cfg.train.prompts_per_iteration:
             raise ValueError(f"--probe-prompts {num_prompts} exceeds train.prompts_per_iteration={run.cfg.train.prompts_per_iteration}")
-        if num_seeds < 2:
-            raise ValueError(f"--seeds must be >= 2 to rank seeds, got {num_seeds}")
+        G = run.cfg.train.group_size
+        if num_seeds <= G:
+            raise ValueError(f"--seeds must be > train.group_size={G} to select G of them, got {num_seeds}")
         self.staleness = sorted(set(staleness))
         self.measure_at = set(measure_at)
         self.num_prompts, self.num_seeds = num_prompts, num_seeds
+        self.random_draws = random_draws
         self.history: deque[dict[str, torch.Tensor]] = deque(maxlen=max(self.staleness))
         self.stale_policy = stale_copy(run.policy)
+        # Cheap exploration: the stale side's schedule (the same initial noise, fewer steps).
+        self.explore_sigmas = qwen_image_sigmas(explore_steps, run.policy.latent_shape[0]) if explore_steps else None
+        self.rng = np.random.default_rng(run.cfg.train.seed)
         self.taus: dict[int, list[float]] = {s: [] for s in self.staleness}
         self.skipped: dict[int, int] = dict.fromkeys(self.staleness, 0)
-        self.control: list[float] = []
-        self.skipped_control = 0
+        self.selection: dict[int, list[dict[str, float]]] = {s: [] for s in self.staleness}
         self.same_reward: dict[int, list[float]] = {s: [] for s in self.staleness}
         self.measured: list[int] = []
 
@@ -218,16 +261,15 @@ class RankingProbe:
         self.history.appendleft(snapshot(run.policy))
 
     def _measure(self, run: TinyRun, plan: IterationPlan) -> None:
-        cfg, k, S = run.cfg, plan.iteration, self.num_seeds
-        groups = plan.group_prompts(cfg.train.group_size)[: self.num_prompts]
+        cfg, k, S, G = run.cfg, plan.iteration, self.num_seeds, run.cfg.train.group_size
+        groups = plan.group_prompts(G)[: self.num_prompts]
         prompts = [p for p in groups for _ in range(S)]
         seeds_a = [derive_seed(cfg.train.seed, k, j, i) for j in range(len(groups)) for i in range(S)]
-        seeds_b = [derive_seed(cfg.train.seed, k, j, S + i) for j in range(len(groups)) for i in range(S)]
         shape = (len(groups), S)
         fresh_a = sample_rewards(run, run.policy, prompts, seeds_a, plan.sde_steps).reshape(shape)
         for s in self.staleness:
             load_trainable_state(self.stale_policy, self.history[s - 1])
-            stale_a = sample_rewards(run, self.stale_policy, prompts, seeds_a, plan.sde_steps).reshape(shape)
+            stale_a = sample_rewards(run, self.stale_policy, prompts, seeds_a, plan.sde_steps, self.explore_sigmas).reshape(shape)
             self.same_reward[s].append(float(np.mean(stale_a == fresh_a)))
             for j in range(len(groups)):
                 tau = tau_b(fresh_a[j], stale_a[j])
@@ -235,15 +277,9 @@ class RankingProbe:
                     self.skipped[s] += 1
                 else:
                     self.taus[s].append(tau)
-        # Control: the unrelated seed set B under θ_{k-1}, paired by index with A under θ_k.
-        load_trainable_state(self.stale_policy, self.history[0])
-        stale_b = sample_rewards(run, self.stale_policy, prompts, seeds_b, plan.sde_steps).reshape(shape)
-        for j in range(len(groups)):
-            tau = tau_b(fresh_a[j], stale_b[j])
-            if tau is None:
-                self.skipped_control += 1
-            else:
-                self.control.append(tau)
+                figures = selection_figures(fresh_a[j], stale_a[j], G, self.rng, self.random_draws)
+                if figures is not None:
+                    self.selection[s].append(figures)
         self.measured.append(k)
 
 
@@ -261,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser.add_argument("--probe-prompts", type=int, default=8, help="prompts per measurement (the iteration's first ones)")
     parser.add_argument("--seeds", type=int, default=32, help="seeds per probe prompt")
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4], help="staleness values s")
+    parser.add_argument("--explore-steps", type=int, default=0, help="denoising steps of the stale scores (0 = the rollout's): cheap exploration")
+    parser.add_argument("--random-draws", type=int, default=32, help="random selections per prompt for the control")
     parser.add_argument("--quiet", action="store_true", help="no per-iteration log on stderr")
     args = parser.parse_args(argv)
     if min(args.staleness) < 1:
@@ -271,24 +309,34 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
 
     began = time.monotonic()
     run = build_run(args.recipe, args.overrides)
-    probe = RankingProbe(run, staleness=args.staleness, measure_at=measure_at, num_prompts=args.probe_prompts, num_seeds=args.seeds)
+    probe = RankingProbe(
+        run, staleness=args.staleness, measure_at=measure_at, num_prompts=args.probe_prompts, num_seeds=args.seeds,
+        explore_steps=args.explore_steps, random_draws=args.random_draws,
+    )  # fmt: skip
     log = (lambda _: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     result = train(run, args.iterations, probe, log=log)
     seconds = time.monotonic() - began
 
     s_cfg = run.cfg.sample
-    control = float(np.mean(probe.control)) if probe.control else None
+
+    def mean(rows: list[dict[str, float]], key: str) -> float | None:
+        return round(float(np.mean([r[key] for r in rows])), 4) if rows else None
+
     lines = []
     for s in probe.staleness:
-        taus = probe.taus[s]
+        taus, sel = probe.taus[s], probe.selection[s]
         line = {
             "kendall_tau_stale": round(float(np.mean(taus)), 4) if taus else None,
-            "kendall_tau_control": round(control, 4) if control is not None else None,
+            "selection_overlap_stale": mean(sel, "overlap_stale"),
+            "selection_overlap_random": mean(sel, "overlap_random"),
+            "variance_captured_stale": mean(sel, "captured_stale"),
+            "variance_captured_random": mean(sel, "captured_random"),
+            "variance_captured_default": mean(sel, "captured_default"),
             "staleness": s,
+            "explore_steps": args.explore_steps or s_cfg.num_steps,
             "num_pairs": len(taus),
             "skipped_constant": probe.skipped[s],
-            "num_pairs_control": len(probe.control),
-            "skipped_constant_control": probe.skipped_control,
+            "num_selections": len(sel),
             "tau_stale_p10": round(float(np.percentile(taus, 10)), 4) if taus else None,
             "frac_same_reward": round(float(np.mean(probe.same_reward[s])), 4),
             "iterations": args.iterations,

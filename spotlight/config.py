@@ -245,6 +245,12 @@ class ExploreConfig:
     """Share of the predicted window (`window`) the plan may fill (headroom for weight transfer and jitter)."""
     ema: float = 0.5
     """Weight of the newest measurement in the running means of step time and explorer throughput."""
+    num_steps: int = 0
+    """Denoising steps of an explorer's sample (0 = sample.num_steps): cheap exploration. The seed fixes the initial noise and an ODE rollout (sample.noise_level 0) is a deterministic function of it, so fewer steps approximate the same sample at a fraction of the cost (benchmarks/stale_ranking.py measures the rank agreement)."""
+    emulated_nodes: int = 0
+    """Emulate this many spot explorer nodes in the trainer's process by time-slicing, instead of a Ray cluster (`spotlight.emulated`): the trainer pauses while each window's jobs run here, one node's jobs after another at runtime.worker_threads threads, so that the explorers score the candidates k nodes would have scored in the window; the pause is left out of time/iteration_s and reported as time/emulated_explore_s. For learning-per-iteration experiments on a host without the capacity (benchmarks/time_to_target.py); 0 = real explorers on the runtime."""
+    fixed_budget: int = 0
+    """Candidates per window whatever the window's length (0 = the budget model's fraction x window x throughput x explorers). With mode inline, planner uniform and P x max_candidates this is the oracle: every prompt explored with fresh weights, a full pool each."""
 
     def validate(self) -> None:
         if not 0 < self.budget_fraction <= 1:
@@ -255,6 +261,12 @@ class ExploreConfig:
             raise ValueError(f"explore.batch_size must be >= 1, got {self.batch_size}")
         if self.max_candidates < 0:
             raise ValueError(f"explore.max_candidates must be >= 0, got {self.max_candidates}")
+        if self.num_steps < 0:
+            raise ValueError(f"explore.num_steps must be >= 0, got {self.num_steps}")
+        if self.emulated_nodes < 0:
+            raise ValueError(f"explore.emulated_nodes must be >= 0, got {self.emulated_nodes}")
+        if self.fixed_budget < 0:
+            raise ValueError(f"explore.fixed_budget must be >= 0, got {self.fixed_budget}")
 
     def candidates_cap(self, group_size: int) -> int:
         """The effective max_candidates for a group size G."""
@@ -382,6 +394,17 @@ class DiTRecipe:
             raise ValueError(
                 f"explore.max_candidates={self.explore.max_candidates} must be > train.group_size={self.train.group_size} "
                 "(the first G candidates are the default seeds: with G or fewer there is nothing to choose)"
+            )
+        if self.explore.num_steps and self.explore.num_steps != self.sample.num_steps and self.sample.noise_level > 0:
+            raise ValueError(
+                f"explore.num_steps={self.explore.num_steps} differs from sample.num_steps={self.sample.num_steps}, but the "
+                f"rollouts are stochastic (sample.noise_level={self.sample.noise_level}): their noise is drawn per step, so "
+                "a sample with other steps is not the same trajectory; cheap exploration needs ODE rollouts (noise_level 0)"
+            )
+        if self.explore.emulated_nodes and self.runtime.rollouts == "cluster":
+            raise ValueError(
+                "explore.emulated_nodes emulates explorers in the trainer's process; with runtime.rollouts=cluster "
+                "the explorers are the cluster's spot workers: set one or the other"
             )
         try:
             prompt_family(self.explore.planner_family)

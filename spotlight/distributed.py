@@ -215,6 +215,20 @@ class DataParallel:
             offset += n
         return out
 
+    def finish(self) -> None:
+        """After a successful run: wait until every rank is done before the group is torn down.
+
+        Without it a rank that finished first can destroy its gloo pairs while the other still
+        completes the last collective; the likely cause of one SIGABRT in CI on the 2-rank FSDP
+        test ("terminate called without an active exception" from the rank left behind). Not on
+        an error path:
+        a rank that raised would wait here for ranks that never arrive.
+        """
+        if self.world_size > 1 and self.owns_group:
+            import torch.distributed as dist
+
+            dist.barrier()
+
     def close(self) -> None:
         """Destroy the process group if `init_data_parallel` created it."""
         if self.owns_group:

@@ -396,6 +396,8 @@ class ExplorerPool(Protocol):
     def poll(self, handles: Sequence[Any], timeout_s: float | None) -> list[tuple[Any, ExploreResult | None, str | None]]: ...
     def cancel(self, handles: Sequence[Any]) -> None: ...
     def close(self) -> None: ...
+    def take_emulated_s(self) -> float:
+        """Seconds the trainer waited for emulated explorers since the last call (0 for real ones)."""
 
 
 @dataclass
@@ -599,6 +601,12 @@ class Exploration:
             "explore/explorer_respawns_total": self.pool.respawns,
             "time/explore_s": self._critical_s,
         }
+        emulated = self.pool.take_emulated_s()
+        if self.cfg.explore.emulated_nodes:
+            # Time the trainer waited for emulated explorers: part of time/explore_s, not of the
+            # trainer's time (spotlight.emulated); the driver takes it out of time/iteration_s.
+            m["time/emulated_explore_s"] = emulated
+            m["explore/emulated_nodes"] = self.cfg.explore.emulated_nodes
         self._deaths_seen = deaths
         self._critical_s = 0.0
         return m
@@ -614,13 +622,15 @@ class Exploration:
         budget = self.budget_model.budget(
             live, self.ecfg.budget_fraction, rollout_s=self._rollout_s, guess_samples_per_s=self._guess_samples_per_s
         )
+        if self.ecfg.fixed_budget:
+            budget.num_samples = self.ecfg.fixed_budget  # whatever the window (the oracle's full pools)
         ids = planner_ids(prompts_P)
         counts_P = [0] * len(prompts_P)
         plan_samples = budget.num_samples
         # Probe (module docstring): a stale window the measured throughput, not the budget
         # setting, leaves without a plan sends the smallest one; nothing waits for it.
         probe = (
-            time_limit and live > 0 and plan_samples <= self.group_size
+            time_limit and live > 0 and not self.ecfg.fixed_budget and plan_samples <= self.group_size
             and exploration_budget(budget.update_s, self._guess_samples_per_s, live, self.ecfg.budget_fraction) > self.group_size
         )  # fmt: skip
         if probe:
@@ -648,8 +658,11 @@ class Exploration:
 
     def _gather(self, window: _Window, timeout_s: float | None) -> None:
         """Take the window's finished jobs (waiting up to timeout_s; None = all); the rest are late."""
+        polled = time.monotonic()
         done = {id(h): (res, cause) for h, res, cause in self.pool.poll(window.handles, timeout_s)}
-        window.window_s = time.monotonic() - window.launched
+        # A stale window ends when it is polled (an emulated pool runs its jobs inside the poll,
+        # on the trainer's time); an inline window lasts until every result is in.
+        window.window_s = (polled if timeout_s is not None else time.monotonic()) - window.launched
         late = []
         for job, h in zip(window.jobs, window.handles):
             if id(h) not in done:

@@ -144,6 +144,9 @@ class DiTRunner(JobRunner):
         self.cfg = cfg
         self.policy = load_policy(cfg.model, trainable=False)
         self.sigmas = qwen_image_sigmas(cfg.sample.num_steps, self.policy.latent_shape[0])
+        # Cheap exploration (explore.num_steps): the same seeded initial noise, integrated in fewer
+        # ODE steps; the stale score then approximates the full-step sample's.
+        self.explore_sigmas = qwen_image_sigmas(cfg.explore.num_steps or cfg.sample.num_steps, self.policy.latent_shape[0])
         self.autocast = AUTOCAST_DTYPES[resolve_autocast(cfg.sample.autocast, self.policy.device, cfg.train.objective)]
         self.ctx = install_ulysses(self.policy.transformer)
         self.num_heads = self.ctx.num_heads
@@ -183,11 +186,12 @@ class DiTRunner(JobRunner):
     def advance(self, state: _State) -> _State:
         t0 = time.monotonic()
         rows = self._rows(state)
-        n = len(self.sigmas) - 1
+        sigmas = self._sigmas(state.payload)
+        n = len(sigmas) - 1
         s = self.cfg.sample
         sde_steps = state.payload.sde_steps
         traj = sample(
-            self._velocity(state.batch), rows[1], self.policy.latent_shape, self.sigmas[: state.step + 2],
+            self._velocity(state.batch), rows[1], self.policy.latent_shape, sigmas[: state.step + 2],
             noise_level=s.noise_level, sde_steps=sde_steps, sde_type=s.sde_type,
             start_step=state.step, start_latents=state.latent, device=self.policy.device,
         )  # fmt: skip
@@ -208,9 +212,8 @@ class DiTRunner(JobRunner):
         return state
 
     def finished(self, state: _State) -> bool:
-        n = len(self.sigmas) - 1
         if isinstance(state.payload, RolloutJob):
-            return state.step == n
+            return state.step == len(self.sigmas) - 1
         return state.stopped or state.chunk * self.cfg.explore.batch_size >= len(state.payload.seeds)
 
     def commit(self, state: _State) -> dict:
@@ -229,6 +232,9 @@ class DiTRunner(JobRunner):
         )  # fmt: skip
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _sigmas(self, payload: RolloutJob | ExploreJob) -> torch.Tensor:
+        return self.sigmas if isinstance(payload, RolloutJob) else self.explore_sigmas
 
     def _rows(self, state: _State) -> tuple[list[str], list[int]]:
         """(prompts, seeds) of the current chunk (a rollout job is one chunk)."""
@@ -288,7 +294,7 @@ def _quiet_libraries() -> None:
 def explore_num_steps(cfg: DiTRecipe, job: ExploreJob) -> int:
     """Steps of an exploration job: its chunks times the denoising steps."""
     bs = cfg.explore.batch_size
-    return -(-len(job.seeds) // bs) * cfg.sample.num_steps
+    return -(-len(job.seeds) // bs) * (cfg.explore.num_steps or cfg.sample.num_steps)
 
 
 def rollout_jobs(cfg: DiTRecipe, prompts: Sequence[str], seeds: Sequence[int], sde_steps: Sequence[int]) -> list[RolloutJob]:

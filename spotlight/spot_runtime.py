@@ -271,6 +271,9 @@ class RuntimeExplorers:
     def maintain(self) -> None:
         pass  # the runtime's own loop keeps membership
 
+    def take_emulated_s(self) -> float:
+        return 0.0  # real workers: the trainer never waits for them
+
     def capacity(self) -> int:
         """Spot groups running (what a window's jobs are split over)."""
         return sum(1 for g in self.rt.runtime.pool.running() if g.pool == SPOT)
@@ -392,5 +395,5 @@ def _start_cluster(cfg: DiTRecipe, run_dir: Path, on_close: list[Callable[[], No
 
 
 def runtime_wanted(cfg: DiTRecipe) -> bool:
-    """Whether a run needs the spot runtime: rollouts on the cluster, or exploration."""
-    return cfg.runtime.rollouts == "cluster" or cfg.explore.mode != "none"
+    """Whether a run needs the spot runtime: rollouts on the cluster, or exploration not emulated in the trainer's process."""
+    return cfg.runtime.rollouts == "cluster" or (cfg.explore.mode != "none" and not cfg.explore.emulated_nodes)

@@ -87,6 +87,7 @@ def plan_iteration(cfg: DiTRecipe, train_prompts: list[str], iteration: int) -> 
 
 def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, progress: bool = True) -> dict:
     """Post-train the policy of `cfg` with GRPO, writing config, metrics, images and checkpoints to run_dir."""
+    started = time.monotonic()
     run_dir = Path(run_dir)
     # One process unless launched by accelerate/torchrun; then only rank 0 writes and explores.
     dp = init_data_parallel()
@@ -112,8 +113,16 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
             # imported) load the model while the trainer does.
             cfg.validate()
             rt = start_runtime(cfg, run_dir) if runtime_wanted(cfg) else None
-            exploration = start_exploration(cfg, run_dir, rt.explorers() if rt is not None else None)
-        return _train(cfg, run_dir, dp, exploration, rt, ledger, mirror, resume=resume, progress=progress and dp.is_main)
+            if cfg.explore.emulated_nodes and cfg.explore.mode != "none":
+                from spotlight.emulated import EmulatedExplorers
+
+                pool = EmulatedExplorers(cfg)
+            else:
+                pool = rt.explorers() if rt is not None else None
+            exploration = start_exploration(cfg, run_dir, pool)
+        result = _train(cfg, run_dir, dp, exploration, rt, ledger, mirror, resume=resume, progress=progress and dp.is_main, started=started)
+        dp.finish()
+        return result
     finally:
         if exploration is not None:
             exploration.close()
@@ -133,8 +142,10 @@ def _train(
     *,
     resume: bool,
     progress: bool,
+    started: float,
 ) -> dict:
-    """The iteration loop; on ranks other than 0, exploration, runtime, ledger and mirror are None."""
+    """The iteration loop; on ranks other than 0, exploration, runtime, ledger and mirror are None.
+    `started`: `time.monotonic()` when `run_training` began (time/run_s counts from it)."""
     console = Console(quiet=not progress)
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
@@ -231,7 +242,10 @@ def _train(
     if cfg.train.autocast == "auto" and trainer.autocast != "none":
         console.print(f"train.autocast=auto: the update's forwards and backward run in {trainer.autocast} (train.autocast=none for float32)")
     history: list[dict] = []
-    budget = IterationBudget(cfg.train.max_minutes)
+    # The budget runs on the trainer's clock: time spent waiting for emulated explorers
+    # (explore.emulated_nodes) is capacity of other machines, not the trainer's.
+    emulated_s = [0.0]
+    budget = IterationBudget(cfg.train.max_minutes, clock=lambda: time.monotonic() - emulated_s[0])
     cooling = cfg.train.lr_cooldown > 0 and cfg.train.max_minutes > 0
     columns = [TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
     tracking = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) if dp.is_main else nullcontext()
@@ -329,6 +343,9 @@ def _train(
                 **({"explore/weights_copies": early_weights.copies + stale_weights.copies} if exploration is not None else {}),
                 "time/iteration_s": time.monotonic() - t0,
             }
+            # Emulated explorers ran while the trainer waited (spotlight.emulated): not trainer time.
+            metrics["time/iteration_s"] -= metrics.get("time/emulated_explore_s", 0.0)
+            emulated_s[0] += metrics.get("time/emulated_explore_s", 0.0)
             step = it + 1
             history.append(metrics)
             firsts = None
@@ -346,6 +363,9 @@ def _train(
                 if eval_summary is not None:
                     metrics["eval/mean_reward"] = eval_summary["mean_reward"]
                     metrics["eval/seconds"] = eval_summary["seconds"]
+                # Wall time of the run so far on the trainer's clock: start-up, iterations, evaluations
+                # and checkpoints, without the waits for emulated explorers (what time to target counts).
+                metrics["time/run_s"] = time.monotonic() - started - emulated_s[0]
                 charge_cost()
                 metrics.update(ledger.metrics())
                 tracker.log(metrics, step=step)

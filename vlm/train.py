@@ -340,7 +340,9 @@ def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, pr
     # One process unless launched by accelerate/torchrun; then only rank 0 writes.
     dp = init_data_parallel()
     try:
-        return _train(cfg, Path(run_dir), dp, resume=resume, progress=progress and dp.is_main)
+        result = _train(cfg, Path(run_dir), dp, resume=resume, progress=progress and dp.is_main)
+        dp.finish()
+        return result
     finally:
         dp.close()
 
