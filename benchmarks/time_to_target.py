@@ -151,10 +151,21 @@ def figures(runs: dict[str, list[dict]], nodes: list[int]) -> dict:
     return out
 
 
+def finished(run_dir: Path, target: float, iterations: int) -> bool:
+    """Whether a kept run directory holds a whole run: one that reached the target or ran every iteration."""
+    if not (run_dir / "metrics.jsonl").exists():
+        return False
+    rows = read_metrics(run_dir)
+    return bool(rows) and (to_target(rows, target)["reached"] or rows[-1]["step"] >= iterations)
+
+
 def run_one(job: tuple[str, int, str, list[str], str, float]) -> dict:
-    """Train one (mode, seed) run and summarise it (module level: a spawned process runs it)."""
+    """Train one (mode, seed) run and summarise it (module level: a spawned process runs it). A run
+    a --keep directory already holds whole is read, not trained again (a benchmark resumed)."""
     _name, seed, recipe, overrides, run_dir, target = job
-    run_training(load_config(DiTRecipe, recipe, overrides), run_dir, resume=False, progress=False)
+    cfg = load_config(DiTRecipe, recipe, overrides)
+    if not finished(Path(run_dir), target, cfg.train.num_iterations):
+        run_training(cfg, run_dir, resume=False, progress=False)
     return {"seed": seed, **summarize_run(read_metrics(run_dir), target)}
 
 
@@ -184,7 +195,8 @@ def main() -> None:
     parser.add_argument("--gain", type=float, default=0.05, help="target over the base's held-out reward")
     parser.add_argument("--trainer-threads", type=int, default=1, help="the trainer's threads in none, stale and oracle")
     parser.add_argument("--oracle-candidates", type=int, default=64)
-    parser.add_argument("--keep", default="", help="keep the run directories here (default: a temporary directory)")
+    parser.add_argument("--keep", default="", help="keep the run directories here (default: a temporary directory); "
+                        "runs it already holds whole are read, not trained again")  # fmt: skip
     parser.add_argument("--parallel", type=int, default=1,
                         help="runs at a time, each on --trainer-threads threads (2 on 2 cores with one thread each: "
                         "iterations to target are unaffected, wall figures then come from shared cores; "
@@ -234,7 +246,9 @@ def main() -> None:
                 mode, nodes=k or 1, trainer_threads=args.trainer_threads,
                 oracle_candidates=args.oracle_candidates, prompts=cfg.train.prompts_per_iteration,
             )  # fmt: skip
-            jobs.append((name, seed, args.recipe, [*common, *extra, f"train.seed={seed}"], str(root / f"{name}-seed{seed}"), target))
+            # A run ends at the evaluation that reaches the target (eval.stop_at), or after --iterations.
+            overrides = [*common, *extra, f"train.seed={seed}", f"eval.stop_at={target}"]
+            jobs.append((name, seed, args.recipe, overrides, str(root / f"{name}-seed{seed}"), target))
         if args.parallel > 1:
             # Several runs at once, each on its own threads (spawned processes: a fresh torch each).
             with ProcessPoolExecutor(args.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:

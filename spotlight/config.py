@@ -221,6 +221,8 @@ class EvalConfig:
     """Samples per forward batch."""
     every: int = 0
     """During `spotlight train`, evaluate the held-out prompts every this many iterations (eval/* metrics); 0 = never."""
+    stop_at: float | None = None
+    """During `spotlight train`: end the run after the first of those evaluations whose held-out mean reward is at least this (a target reached; a final checkpoint is written); None = never."""
 
 
 @dataclass

@@ -374,7 +374,11 @@ def _train(
             # Stop before an iteration that would end after train.max_minutes. Rank 0's clock
             # decides for every rank, so that all of them stop after the same iteration.
             out_of_time = step < cfg.train.num_iterations and dp.broadcast_object(not budget.next_fits())
-            if step % cfg.log.checkpoint_every == 0 or step == cfg.train.num_iterations or out_of_time:
+            # eval.stop_at: the held-out target is reached (rank 0's summary decides for every rank).
+            at_target = cfg.eval.stop_at is not None and dp.broadcast_object(
+                eval_summary is not None and eval_summary["mean_reward"] >= cfg.eval.stop_at
+            )
+            if step % cfg.log.checkpoint_every == 0 or step == cfg.train.num_iterations or out_of_time or at_target:
                 state = gather_train_state(dp, policy, trainer.optimizer)  # under FSDP, a collective
                 ema = None
                 if trainer.ema is not None:
@@ -386,6 +390,9 @@ def _train(
             bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}" + (f" · {rt.describe()}" if rt is not None else ""))
             if out_of_time:
                 console.print(f"train.max_minutes={cfg.train.max_minutes}: iteration {step + 1} would not end in time; stopping after {step}")
+                break
+            if at_target and step < cfg.train.num_iterations:
+                console.print(f"eval.stop_at={cfg.eval.stop_at}: the held-out reward reached it; stopping after {step}")
                 break
 
     charge_cost()  # the last checkpoint's time

@@ -178,3 +178,22 @@ def test_cheap_exploration_refuses_stochastic_rollouts(tiny_model_dir):
     cfg.sample.noise_level = 0.7
     with pytest.raises(ValueError, match="explore.num_steps=2 differs from sample.num_steps=3"):
         cfg.validate()
+
+
+def test_a_run_ends_at_the_evaluation_that_reaches_the_target(tiny_model_dir, tmp_path):
+    """eval.stop_at (what benchmarks/time_to_target.py stops its runs with): the run ends after the
+    first held-out evaluation at or above it, with a checkpoint; a target never reached changes nothing."""
+    from spotlight.checkpoint import find_latest_checkpoint
+    from spotlight.train import run_training
+
+    cfg = tiny_recipe(tiny_model_dir, "none")
+    cfg.train.num_iterations, cfg.eval.every, cfg.eval.num_seeds = 4, 2, 1
+    cfg.eval.stop_at = 100.0  # JPEG compressibility never gets there
+    run_training(cfg, tmp_path / "never", progress=False)
+    rows = read_metrics(tmp_path / "never")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    cfg.eval.stop_at = rows[1]["eval/mean_reward"]  # what the same run's first evaluation gives
+    run_training(cfg, tmp_path / "reached", progress=False)
+    rows = read_metrics(tmp_path / "reached")
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["eval/mean_reward"] >= cfg.eval.stop_at
+    assert find_latest_checkpoint(tmp_path / "reached").name.endswith("2")
