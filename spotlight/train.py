@@ -363,8 +363,9 @@ def _train(
                 if eval_summary is not None:
                     metrics["eval/mean_reward"] = eval_summary["mean_reward"]
                     metrics["eval/seconds"] = eval_summary["seconds"]
-                # Wall time of the run so far on the trainer's clock: start-up, iterations, evaluations
-                # and checkpoints, without the waits for emulated explorers (what time to target counts).
+                # Wall time of this process so far on the trainer's clock (a resumed run counts from its
+                # restart): start-up, iterations, evaluations and checkpoints, without the waits for
+                # emulated explorers. What benchmarks/time_to_target.py counts to a target.
                 metrics["time/run_s"] = time.monotonic() - started - emulated_s[0]
                 charge_cost()
                 metrics.update(ledger.metrics())
