@@ -495,6 +495,11 @@ def test_an_explorer_killed_mid_window_loses_only_its_steps_since_the_last_commi
         (worker,) = runtime.pool.groups[group].members
         ray.kill(runtime.pool.actor(worker), no_restart=True)
         runtime.wait([job], timeout_s=120, take=False)  # it resumed on the other worker and finished
+        # The replacement loads the model in a new process (4-5 s here), which a 3-iteration run of
+        # the tiny model can outlast; wait for it to start so the run's last row can count it.
+        deadline = time.monotonic() + 60
+        while self.pool.respawns < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         killed.append((iteration, job))
 
     monkeypatch.setattr(Exploration, "launch", launch_then_kill)
