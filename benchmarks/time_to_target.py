@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -203,7 +204,7 @@ def main() -> None:
                         "none_all_cores uses every core and should run alone)")  # fmt: skip
     parser.add_argument("--from-runs", default="", help="no training: recompute the figures from the run directories a --keep "
                         "left (NAME-seedS), e.g. for another --target")  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
+    parser.add_argument("--json", action="store_true", help="accepted for symmetry with the other benchmarks: stdout is always just the JSON line")
     args = parser.parse_args()
 
     modes = args.modes.split(",")
@@ -249,18 +250,12 @@ def main() -> None:
             # A run ends at the evaluation that reaches the target (eval.stop_at), or after --iterations.
             overrides = [*common, *extra, f"train.seed={seed}", f"eval.stop_at={target}"]
             jobs.append((name, seed, args.recipe, overrides, str(root / f"{name}-seed{seed}"), target))
-        if args.parallel > 1:
-            # Several runs at once, each on its own threads (spawned processes: a fresh torch each).
-            with ProcessPoolExecutor(args.parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
-                results = pool.map(run_one, jobs)
-                for (name, seed, *_), result in zip(jobs, results):
-                    runs.setdefault(name, []).append(result)
-                    print(f"{name} seed {seed}: {json.dumps(result)}", file=sys.stderr)
-        else:
-            for job in jobs:
-                result = run_one(job)
-                runs.setdefault(job[0], []).append(result)
-                print(f"{job[0]} seed {job[1]}: {json.dumps(result)}", file=sys.stderr)
+        # With --parallel, several runs at once, each on its own threads (spawned processes: a fresh torch each).
+        with ProcessPoolExecutor(args.parallel, mp_context=multiprocessing.get_context("spawn")) if args.parallel > 1 else nullcontext() as pool:
+            mapper = pool.map if pool is not None else map
+            for (name, seed, *_), result in zip(jobs, mapper(run_one, jobs)):
+                runs.setdefault(name, []).append(result)
+                print(f"{name} seed {seed}: {json.dumps(result)}", file=sys.stderr)
     for name in runs:
         runs[name].sort(key=lambda r: r["seed"])
 
