@@ -256,6 +256,7 @@ class JobQueue:
         self._leases: dict[int, _LeaseState] = {}  # live leases by id
         self._next_lease_id = 1
         self._fenced: set[str] = set()
+        self._timed_out: dict[str, list[int]] = {}  # worker -> jobs whose lease expired, until `worker_lost`
         self._results: list[Result] = []
         self._results_offset = 0  # results before this index were taken by the driver and dropped
         self._closed = False
@@ -302,13 +303,17 @@ class JobQueue:
         return moved
 
     def worker_lost(self, worker_id: str) -> list[int]:
-        """Fence a dead (or departed) worker and requeue its job from the last commit."""
+        """Fence a dead (or departed) worker and requeue its job from the last commit.
+
+        Returns the jobs the worker's death took from it: the lease revoked now, and any that timed
+        out (`expire`) before the death was seen. A node killed without a word can go unnoticed for
+        longer than the lease timeout, and its job resumes elsewhere first; it still hit work."""
         self._fenced.add(worker_id)
         self._forget_handoffs_to(worker_id)
         lost = [ls for ls in self._leases.values() if ls.worker_id == worker_id]
         for ls in lost:
             self._end_lease(ls, revoked=True)
-        return [ls.job_id for ls in lost]
+        return self._timed_out.pop(worker_id, []) + [ls.job_id for ls in lost]
 
     def expire(self) -> list[int]:
         """Revoke leases whose worker went silent; their jobs resume elsewhere."""
@@ -317,6 +322,7 @@ class JobQueue:
         for ls in late:
             logger.warning("lease %d of job %d (worker %s) timed out", ls.lease_id, ls.job_id, ls.worker_id)
             self._end_lease(ls, revoked=True)
+            self._timed_out.setdefault(ls.worker_id, []).append(ls.job_id)
         return [ls.job_id for ls in late]
 
     def cancel(self, job_ids: Sequence[int]) -> list[int]:

@@ -188,6 +188,20 @@ def test_commits_are_idempotent_and_never_move_a_job_back():
     assert resumed.step == 4 and torch.equal(resumed.state, latent(4))
 
 
+def test_a_death_seen_after_the_lease_timed_out_still_names_the_job_it_hit():
+    """A node killed without a word may be declared dead after its lease expired and its job
+    resumed elsewhere: the death still took that job (the runtime counts the node as hit)."""
+    now = [0.0]
+    q = JobQueue(lease_timeout_s=5.0, clock=lambda: now[0])
+    q.submit(make_jobs(2))
+    q.pull("a")
+    now[0] = 6.0
+    assert q.expire() == [0]
+    assert q.worker_lost("b") == []
+    assert q.worker_lost("a") == [0]
+    assert q.worker_lost("a") == []  # said once
+
+
 def test_a_lost_worker_is_fenced_and_its_late_messages_are_dropped():
     q = JobQueue()
     q.submit(make_jobs(1))

@@ -32,7 +32,7 @@ from spotlight.config_io import from_dict
 from spotlight.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-ITERATIONS, COMMIT_EVERY = 3, 2
+ITERATIONS, COMMIT_EVERY, NUM_STEPS = 3, 2, 6
 
 
 def recipe(model_dir: Path, **runtime) -> DiTRecipe:
@@ -40,7 +40,7 @@ def recipe(model_dir: Path, **runtime) -> DiTRecipe:
         "model": {"path": str(model_dir), "height": 32, "width": 32},
         # The local rollout's chunks are the jobs' size: this tiny model's matmuls round differently
         # at other batch sizes (the tiny recipe's do not: jobs of 16 against chunks of 128).
-        "sample": {"num_steps": 6, "autocast": "none", "batch_size": 2},
+        "sample": {"num_steps": NUM_STEPS, "autocast": "none", "batch_size": 2},
         "reward": {"weights": {"jpeg_compressibility": 1.0}},  # varies per seed: every group trains
         "train": {"num_iterations": ITERATIONS, "prompts_per_iteration": 3, "group_size": 4, "minibatch_size": 6, "max_minutes": 0},
         "log": {"wandb_mode": "disabled", "images_every": 0, "checkpoint_every": ITERATIONS},
@@ -92,10 +92,11 @@ def strike_when_past_a_commit(cluster, monkeypatch, act, *, wait_node_lost: bool
     commit, call act(cluster, node name) once (on a thread, so the rollout goes on). Returns the
     list it appends (node, job, committed step, progress) to.
 
-    wait_node_lost: after the struck rollout, wait until the runtime counts the node lost. Ray
-    declares a killed node dead after its health checks (2-4 s here); the job resumes sooner, from
-    its worker's death, and the tiny run can end before the declaration, leaving the preemption
-    uncounted (a longer run counts it an iteration later)."""
+    wait_node_lost: after the struck rollout, wait until the runtime counts the node lost and hit.
+    Ray declares a killed node dead after its health checks (2-4 s here, longer on a loaded host);
+    the job resumes sooner, from its worker's death or its lease's timeout, and the tiny run can end
+    before the declaration, leaving the preemption uncounted (a longer run counts it an iteration
+    later)."""
     import ray
 
     from spotlight.spot_runtime import SpotRuntime
@@ -109,7 +110,8 @@ def strike_when_past_a_commit(cluster, monkeypatch, act, *, wait_node_lost: bool
         while not struck and time.monotonic() < deadline:
             for job, group, _, committed, progress in ray.get(rt.runtime.queue.snapshot.remote())["leases"]:
                 g = pool.groups.get(group)
-                if g is None or g.pool != "spot" or committed < COMMIT_EVERY or progress <= committed:
+                # Past a commit, and steps still to go (at the last step the result may already be on its way).
+                if g is None or g.pool != "spot" or committed < COMMIT_EVERY or not committed < progress < NUM_STEPS:
                     continue
                 name = next(n for n in cluster.node_names() if cluster.node_id(n) == pool.node_of(g.members[0]))
                 struck.append((name, job, committed, progress))
@@ -122,7 +124,8 @@ def strike_when_past_a_commit(cluster, monkeypatch, act, *, wait_node_lost: bool
             threading.Thread(target=watch, args=(self,), daemon=True).start()
         out = rollout(self, version, *args, **kwargs)
         deadline = time.monotonic() + 30
-        while wait_node_lost and struck and not self.runtime.pool.nodes_lost and time.monotonic() < deadline:
+        pool = self.runtime.pool
+        while wait_node_lost and struck and not set(pool.nodes_lost) & pool.nodes_hit and time.monotonic() < deadline:
             time.sleep(0.05)
         return out
 
