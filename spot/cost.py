@@ -305,6 +305,15 @@ def _write_json_atomically(path: Path, doc: dict) -> None:
     fsync_path(path.parent)
 
 
+def _set_aside(path: Path) -> Path:
+    """Rename a damaged file to `<name>.damaged[.N]` beside it (never deleted)."""
+    dest, n = path.with_name(path.name + ".damaged"), 1
+    while dest.exists():
+        dest, n = path.with_name(f"{path.name}.damaged.{n}"), n + 1
+    os.replace(path, dest)
+    return dest
+
+
 class CostLedger:
     """GPU-seconds and prices of a run, charged by the driver and kept in `run_dir/cost.json`.
 
@@ -322,9 +331,15 @@ class CostLedger:
         now = time.time() if now is None else now
         self.path = Path(run_dir) / COST_FILE
         self.cfg = cfg
+        self.doc: dict = {}
         if resume and self.path.exists():
-            self.doc = read_ledger(self.path)
-        else:
+            try:
+                self.doc = read_ledger(self.path)
+            except ValueError as err:
+                # A damaged ledger must not block the run: keep it for a person, start a new one.
+                aside = _set_aside(self.path)
+                logger.warning("%s; moved to %s, and this run starts a new ledger (the time it held is not counted)", err, aside)
+        if not self.doc:
             pools = {name: {"source": "", "since": now, "prices": [], "usage": []} for name in POOLS}
             self.doc = {"version": LEDGER_VERSION, "pools": pools}
         self._last = now

@@ -26,7 +26,7 @@ import shutil
 import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 from spot.files import fsync_path
 
@@ -268,7 +268,11 @@ class Store(ABC):
         return dest
 
     def latest(self, prefix: str) -> str | None:
-        """The key of the highest-numbered complete folder `<prefix>/step-<N>`, or None.
+        """The key of the highest-numbered complete folder `<prefix>/step-<N>`, or None."""
+        return next(self.complete_folders(prefix), None)
+
+    def complete_folders(self, prefix: str) -> Iterator[str]:
+        """The keys of the complete folders `<prefix>/step-<N>`, highest step first.
 
         A folder is complete when its manifest parses and every file it names is listed with the
         manifest's size (one listing call); checksums are verified by `fetch_dir`. Incomplete
@@ -294,5 +298,4 @@ class Store(ABC):
                 logger.warning("skipping %s: %d file(s) missing or of the wrong size, e.g. %s",
                                self.where(folder), len(missing), missing[0])
                 continue
-            return folder
-        return None
+            yield folder

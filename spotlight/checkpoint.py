@@ -344,6 +344,61 @@ def find_latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return complete[-1] if complete else None
 
 
+DAMAGED_DIR = "damaged"
+"""Subfolder of `checkpoints/` where `newest_intact_checkpoint` moves damaged step dirs (never deleted)."""
+
+
+def newest_intact_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
+    """The newest checkpoint of `run_dir` that verifies, loaded; None when the run has none.
+
+    The step dir `checkpoints/latest` names is tried first, then the others from the newest down. A
+    damaged one (truncated, flipped bytes, a cut or missing manifest) is moved to
+    `checkpoints/damaged/` with a warning naming it and why, never deleted, and `latest` then names
+    the checkpoint resumed from. A run thus resumes from an older intact checkpoint (its metrics
+    after that step are dropped and recomputed, as after any resume) instead of stopping.
+
+    Raises:
+        CheckpointError: step dirs exist but none verifies (all moved aside): the message says so.
+    """
+    ckpt_dir = Path(run_dir) / "checkpoints"
+    if not ckpt_dir.is_dir():
+        return None
+    named = find_latest_checkpoint(run_dir)
+    others = sorted((p for p in ckpt_dir.iterdir() if step_of(p) is not None and p.is_dir() and p != named), key=step_of, reverse=True)
+    damaged: list[str] = []
+    for step_dir in ([named] if named is not None else []) + others:
+        try:
+            ckpt = load_checkpoint(step_dir)
+        except CheckpointError as err:
+            aside = _set_aside(step_dir)
+            logger.warning("checkpoint %s is damaged (%s): moved to %s; trying the previous one", step_dir, err, aside)
+            damaged.append(f"{step_dir.name} ({err})")
+            continue
+        if damaged:
+            set_latest(step_dir)
+            logger.warning("resuming from %s, the newest intact checkpoint (%d damaged one(s) set aside)", step_dir, len(damaged))
+        return ckpt
+    if damaged:
+        raise CheckpointError(
+            f"{ckpt_dir}: no intact checkpoint, every one is damaged and was moved to {ckpt_dir / DAMAGED_DIR}: "
+            + "; ".join(damaged) + ". Start over with --no-resume, or restore a copy"
+        )
+    return None
+
+
+def _set_aside(step_dir: Path) -> Path:
+    """Move a damaged step dir into `checkpoints/damaged/` under a name no other holds there."""
+    dest_dir = step_dir.parent / DAMAGED_DIR
+    dest_dir.mkdir(exist_ok=True)
+    dest = dest_dir / step_dir.name
+    n = 1
+    while dest.exists():
+        dest, n = dest_dir / f"{step_dir.name}.{n}", n + 1
+    os.replace(step_dir, dest)
+    fsync_path(step_dir.parent)
+    return dest
+
+
 def _resolve_step_dir(path: Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")

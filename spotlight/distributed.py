@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from spotlight.checkpoint import Checkpoint, CheckpointError, find_latest_checkpoint, load_checkpoint
+from spotlight.checkpoint import Checkpoint, CheckpointError, load_checkpoint, newest_intact_checkpoint
 from spotlight.rewards import RewardResult
 
 
@@ -270,22 +270,32 @@ def init_data_parallel() -> DataParallel:
 def load_resume_checkpoint(dp: DataParallel, run_dir: str | os.PathLike, resume: bool = True) -> Checkpoint | None:
     """The checkpoint a run resumes from, loaded and verified on every rank, or None (a fresh run).
 
-    Rank 0 picks the latest complete checkpoint in `run_dir` and every rank loads it (checksums
+    Rank 0 picks the newest intact checkpoint in `run_dir` (a damaged newer one is moved aside:
+    `checkpoint.newest_intact_checkpoint`) and every other rank loads that one (checksums
     verified), so under a launch over several machines the run directory must be on a filesystem
     they share. A collective (every rank calls it, with the same `resume`): if some rank cannot
     load it (the path is missing there, a partial copy, a corrupt file), every rank raises the same
     ValueError naming those ranks, instead of the others waiting for a rank that died alone in
     their next collective."""
-    latest = dp.broadcast_object(find_latest_checkpoint(run_dir) if resume and dp.is_main else None)
+    ckpt, error = None, None
+    if resume and dp.is_main:
+        try:
+            ckpt = newest_intact_checkpoint(run_dir)
+        except (OSError, CheckpointError) as err:
+            if dp.world_size == 1:
+                raise
+            error = err
+    picked = dp.broadcast_object((None if ckpt is None else ckpt.path, None if error is None else str(error)))
+    if picked[1] is not None:
+        raise CheckpointError(picked[1]) from error
+    latest = picked[0]
     if latest is None:
         return None
-    ckpt, error = None, None
-    try:
-        ckpt = load_checkpoint(latest)
-    except (OSError, CheckpointError) as err:
-        if dp.world_size == 1:
-            raise
-        error = err
+    if not dp.is_main:
+        try:
+            ckpt = load_checkpoint(latest)
+        except (OSError, CheckpointError) as err:
+            error = err
     if dp.world_size > 1:
         failed = dp.all_gather_rows(torch.tensor([int(error is not None)], device=dp.device)).tolist()
         lacking = [rank for rank, f in enumerate(failed) if f]

@@ -110,17 +110,23 @@ class CheckpointMirror:
             The fetched step dir, or None when the store has nothing newer (the run dir's own
             checkpoint, if any, is then the one to resume from).
         """
-        folder = self.store.latest(PREFIX)
-        if folder is None:
-            return None
-        step = step_of(Path(folder))
         local = find_latest_checkpoint(run_dir)
-        if local is not None and (step_of(local) or 0) >= step:
+        for folder in self.store.complete_folders(PREFIX):
+            step = step_of(Path(folder))
+            if local is not None and (step_of(local) or 0) >= step:
+                return None
+            dest = run_dir / "checkpoints" / Path(folder).name
+            if dest.exists():  # an incomplete leftover of this run dir (no manifest); the store's is whole
+                shutil.rmtree(dest)
+            try:
+                self.store.fetch_dir(folder, dest)
+            except StoreError as err:  # a damaged copy in the store: the one before it will do
+                shutil.rmtree(dest, ignore_errors=True)
+                logger.warning("%s is damaged in the store (%s); trying the previous one", self.store.where(folder), err)
+                continue
+            break
+        else:
             return None
-        dest = run_dir / "checkpoints" / Path(folder).name
-        if dest.exists():  # an incomplete leftover of this run dir (no manifest); the store's is whole
-            shutil.rmtree(dest)
-        self.store.fetch_dir(folder, dest)
         set_latest(dest)
         if (dest / METRICS_FILE).is_file():
             # The store's rows up to `step` replace the run dir's; Tracker drops any row after the step.

@@ -29,6 +29,7 @@ import base64
 import html
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -43,6 +44,8 @@ from matplotlib.ticker import MaxNLocator
 from spot.cost import COST_FILE, read_ledger, summarize
 from spotlight.explore import FALLBACK_CAUSES, LOG_FILE
 from spotlight.tracking import IMAGES_DIR, METRICS_FILE, read_metrics
+
+logger = logging.getLogger(__name__)
 
 REPORT_DIR = "report"
 NOT_RECORDED = "not recorded in this run"
@@ -120,7 +123,13 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         raise ValueError(f"{run_dir / METRICS_FILE}: no metrics rows yet (the run logged no iteration)")
     config_text = (run_dir / "config.yaml").read_text(encoding="utf-8") if (run_dir / "config.yaml").is_file() else None
     config = yaml.safe_load(config_text) if config_text else {}
-    ledger = read_ledger(run_dir) if (run_dir / COST_FILE).is_file() else None
+    ledger, ledger_problem = None, f"no {COST_FILE} in the run directory"
+    if (run_dir / COST_FILE).is_file():
+        try:
+            ledger = read_ledger(run_dir)
+        except ValueError as err:  # damaged: the page goes without its cost, and says why
+            logger.warning("%s; the report has no cost section", err)
+            ledger_problem = f"{COST_FILE} is damaged: {err}"
     explore_log = _read_jsonl(run_dir / LOG_FILE)
 
     page = _Page(Path(out_dir) if out_dir is not None else run_dir / REPORT_DIR)
@@ -130,8 +139,8 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     _timing(page, rows)
     _images(page, run_dir, config)
     _planner(page, rows, config, explore_log)
-    _preemptions(page, rows, config, ledger)
-    _cost(page, rows, ledger)
+    _preemptions(page, rows, config, ledger, ledger_problem)
+    _cost(page, rows, ledger, ledger_problem)
     _config(page, run_dir, config_text)
     assert [s[0] for s in page.sections] == list(SECTIONS)
 
@@ -301,7 +310,7 @@ def _slot_allocations(page: _Page, explore_log: list[dict]) -> str:
     return page.figure("planner_slots.png", fig, "candidates planned per prompt slot and iteration")
 
 
-def _preemptions(page: _Page, rows: list[dict], config: dict, ledger: dict | None) -> None:
+def _preemptions(page: _Page, rows: list[dict], config: dict, ledger: dict | None, ledger_problem: str) -> None:
     body = "<h3>Explorers per step</h3>"
     steps, live = _series(rows, "explore/num_explorers")
     if not steps:
@@ -324,7 +333,7 @@ def _preemptions(page: _Page, rows: list[dict], config: dict, ledger: dict | Non
                  "because their explorer died.</p>")  # fmt: skip
     body += "<h3>Node timeline (GPUs held, from the cost ledger)</h3>"
     if ledger is None:
-        body += _missing(f"GPUs held over time (no {COST_FILE})")
+        body += _missing(f"GPUs held over time ({ledger_problem})")
     else:
         pools = ledger["pools"]
         t0 = min([u[0] for p in pools.values() for u in p["usage"]], default=0.0)
@@ -343,9 +352,9 @@ def _preemptions(page: _Page, rows: list[dict], config: dict, ledger: dict | Non
     page.sections.append(("preemptions", "Preemptions and nodes", body))
 
 
-def _cost(page: _Page, rows: list[dict], ledger: dict | None) -> None:
+def _cost(page: _Page, rows: list[dict], ledger: dict | None, problem: str) -> None:
     if ledger is None:
-        page.sections.append(("cost", "Cost", _missing(f"cost ledger (no {COST_FILE} in the run directory)")))
+        page.sections.append(("cost", "Cost", _missing(f"cost ledger ({problem})")))
         return
     s = summarize(ledger)
     table_rows = [[name, f"{p['gpu_s']:,.0f}", f"{p['gpu_s'] / 3600:,.3f}", _esc(p["source"]), f"{p['usd']:,.4f}"]

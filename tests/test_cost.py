@@ -219,6 +219,19 @@ def test_ledger_survives_resume_and_a_price_change(tmp_path):
     assert fresh.metrics()["cost/usd_total"] == 0.0 and read_ledger(tmp_path)["pools"]["spot"]["usage"] == []
 
 
+def test_a_damaged_ledger_is_set_aside_and_a_new_one_started(tmp_path, caplog):
+    cfg = CostConfig(on_demand_usd_per_gpu_hour=4.0, spot_discount=0.75)
+    CostLedger(tmp_path, cfg, now=T0).charge(spot_gpus=1, now=T0 + HOUR)
+    damaged = (tmp_path / COST_FILE).read_bytes()[:50]
+    (tmp_path / COST_FILE).write_bytes(damaged)
+    with caplog.at_level("WARNING"):
+        resumed = CostLedger(tmp_path, cfg, now=T0 + 2 * HOUR)
+    assert "not a valid cost ledger" in caplog.text and "cost.json.damaged" in caplog.text
+    assert (tmp_path / "cost.json.damaged").read_bytes() == damaged  # kept, not deleted
+    resumed.charge(spot_gpus=0, now=T0 + 3 * HOUR)
+    assert read_ledger(tmp_path)["pools"]["on_demand"]["usage"] == [[T0 + 2 * HOUR, T0 + 3 * HOUR, 1]]
+
+
 def test_cost_command_prints_the_ledger(tmp_path, capsys):
     ledger = CostLedger(tmp_path, CostConfig(on_demand_usd_per_gpu_hour=4.0, spot_discount=0.75), now=T0)
     ledger.charge(spot_gpus=4, now=T0 + HOUR)

@@ -75,6 +75,24 @@ def test_restore_prefers_a_newer_local_checkpoint_and_skips_an_unfinished_publis
     assert mirror.restore(fresh).name == "step-00000002"
 
 
+def test_restore_skips_a_folder_damaged_in_the_store(tmp_path, caplog):
+    run_dir, store_dir = tmp_path / "run", tmp_path / "store"
+    mirror = CheckpointMirror(str(store_dir), keep_last=3)
+    for step in (2, 4):
+        mirror.publish(fake_checkpoint(run_dir, step), run_dir)
+    damaged = store_dir / "checkpoints" / "step-00000004" / "trainable.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-3] ^= 0x01  # same size: only the checksum tells
+    damaged.write_bytes(bytes(data))
+    fresh = tmp_path / "replacement"
+    with caplog.at_level("WARNING"):
+        assert mirror.restore(fresh).name == "step-00000002"
+    assert "step-00000004 is damaged in the store" in caplog.text
+    assert load_checkpoint(fresh).step == 2
+    assert not (fresh / "checkpoints" / "step-00000004").exists()
+    assert damaged.exists()  # the store's copy is left for a person to look at
+
+
 def test_keep_last_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="keep_last"):
         CheckpointMirror(str(tmp_path), keep_last=0)

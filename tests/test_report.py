@@ -230,6 +230,15 @@ def test_a_run_without_exploration_eval_images_or_cost_keeps_every_section(tmp_p
     assert len(page.images) == 2
 
 
+def test_a_damaged_ledger_leaves_out_the_cost_and_says_why(tmp_path):
+    run_dir = tmp_path / "run"
+    make_run(run_dir, [{"reward/mean": 0.1 * k, "reward/std": 0.05, "time/rollout_s": 1.0, "time/update_s": 2.0} for k in range(3)])
+    (run_dir / "cost.json").write_text('{"version": 1, "pools": {"on_dem')  # cut mid-write
+    page = Page(write_report(run_dir, tmp_path / "out").read_text())
+    assert "cost.json is damaged" in page.sections["cost"] and NOT_RECORDED in page.sections["cost"]
+    assert "cost.json is damaged" in page.sections["preemptions"]
+
+
 def test_deaths_and_the_ledger_reach_the_page(tmp_path):
     """Explorer deaths per step and a ledger whose spot pool lost a node show up in their sections."""
     run_dir = tmp_path / "run"
