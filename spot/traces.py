@@ -239,7 +239,14 @@ def _apply(alive: set[str], kind: str, node_id: str, error) -> None:
 def load_trace(path: str | Path, *, format: str | None = None) -> Trace:
     """Read a trace file in any of `FORMATS` (told from the content unless `format` is given)."""
     path = Path(path)
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a text file (byte {e.start} is not UTF-8); a trace is CSV, JSON lines or JSON") from None
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such trace file") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the trace ({e.strerror})") from None
     if format is None:
         format = _detect_format(path, text)
     elif format not in FORMATS:

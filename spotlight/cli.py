@@ -141,7 +141,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
     recipe, overrides = _split_recipe(args)
     cfg = load_config(PretrainConfig, recipe, overrides)
-    summary = pretrain(cfg, args.out, progress=not args.quiet)
+    summary = pretrain(cfg, args.out, progress=not args.quiet, force=args.force)
     print(json.dumps(summary))
     return 0
 
@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="samples.png", help="output PNG (default: samples.png)")
 
     p = command("pretrain", "Pretrain the tiny shapes base model with rectified flow.", cmd_pretrain)
-    p.add_argument("--out", required=True, help="output model folder")
+    p.add_argument("--out", required=True, help="output model folder (refused if it exists, unless --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = command("config", "Print the resolved recipe as YAML (or every field with --describe).", cmd_config)

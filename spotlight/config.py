@@ -207,6 +207,8 @@ class LogConfig:
     """Checkpoints kept on disk (and in the store)."""
     store_url: str = ""
     """Also publish every checkpoint to this store (a folder or s3://bucket/prefix); a run dir without a newer checkpoint resumes from the store's newest. Empty: the run dir only."""
+    store_lease_s: float = 120.0
+    """With store_url: the run's lease in the store lasts this long without a renewal (renewed every third of it). A replacement trainer on another machine takes the run over once the lease expired; a draining old trainer that finds a newer lease stops (docs/spot.md, "One writer")."""
 
 
 @dataclass

@@ -240,7 +240,11 @@ def _read_recipe(path: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"recipe file {str(path)!r} not found (working directory: {os.getcwd()})")
     try:
-        data = yaml.load(path.read_text(), Loader=_Loader)
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a text file (byte {e.start} is not UTF-8); a recipe is a YAML file") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the recipe ({e.strerror})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark is not None else ""

@@ -215,6 +215,16 @@ class DataParallel:
             offset += n
         return out
 
+    def started(self, error: BaseException | None) -> None:
+        """Every rank learns whether rank 0's start-up (lock, ledger, runtime) raised `error`:
+        rank 0 raises it, the others a ValueError quoting it (else they would wait for rank 0 in
+        their first collective)."""
+        failed = self.broadcast_object(None if error is None else str(error))
+        if error is not None:
+            raise error
+        if failed is not None:
+            raise ValueError(f"rank 0 could not start the run: {failed}")
+
     def finish(self) -> None:
         """After a successful run: wait until every rank is done before the group is torn down.
 

@@ -32,6 +32,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from spot.store import open_store
 from spot.store_base import MANIFEST_NAME, Store, StoreError
@@ -59,12 +60,17 @@ class CheckpointMirror:
             raise ValueError(f"log.keep_last must be >= 1, got {keep_last}")
         self.store = store if store is not None else open_store(url)
         self.keep_last = keep_last
+        self.guard: Callable[[], None] | None = None
+        """Called before every write to the store; raises when this process may no longer write
+        (`RunLock.check`: a newer trainer took the run over)."""
 
     def publish(self, step_dir: Path, run_dir: Path) -> str:
         """Publish the checkpoint `step_dir` plus the run's metrics so far; returns the folder key."""
         step = step_of(step_dir)
         assert step is not None, step_dir
         key = f"{PREFIX}/{step_dir.name}"
+        if self.guard is not None:
+            self.guard()
         # Stage links to the checkpoint's files plus a copy of the metrics, so the published folder
         # is one snapshot (one store manifest) and the local checkpoint stays as save_checkpoint left it.
         with tempfile.TemporaryDirectory(prefix=".publish-", dir=run_dir) as tmp:
@@ -79,6 +85,8 @@ class CheckpointMirror:
                 if (run_dir / name).is_file():
                     shutil.copyfile(run_dir / name, stage / name)
             self.store.publish_dir(key, stage)
+        if self.guard is not None:
+            self.guard()  # taken over meanwhile: leave the newer holder's folders alone
         self._prune(step)
         return key
 

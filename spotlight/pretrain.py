@@ -34,6 +34,7 @@ from rich.progress import Progress
 from spotlight.config import PretrainConfig, SampleConfig
 from spotlight.policy import DiTPolicy
 from spotlight.rewards import shapes
+from spotlight.runlock import RunLock
 from spotlight.sampling import derive_seed
 from spotlight.tiny import build_tiny_model
 
@@ -48,13 +49,23 @@ def _lr_at(step: int, total: int, peak: float, warmup: int = 50) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def pretrain(cfg: PretrainConfig, out_dir: str | Path, *, progress: bool = True) -> dict:
-    """Build a tiny model folder at `out_dir` and pretrain its transformer; returns a summary."""
+def pretrain(cfg: PretrainConfig, out_dir: str | Path, *, progress: bool = True, force: bool = False) -> dict:
+    """Build a tiny model folder at `out_dir` and pretrain its transformer; returns a summary.
+
+    force: replace an existing `out_dir` (else a ValueError: a trained base is never overwritten by
+    mistake). One pretraining per `out_dir` at a time (`runlock.RunLock` on `PARENT/.NAME.lock`)."""
     if not 0 <= cfg.caption_dropout <= 1:
         raise ValueError(f"caption_dropout must be in [0, 1], got {cfg.caption_dropout}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise ValueError(f"--out {out_dir} exists; pass --force to replace it, or choose another --out")
+    with RunLock(out_dir.parent, "spotlight pretrain", lock_file=out_dir.parent / f".{out_dir.name}.lock"):
+        return _pretrain(cfg, out_dir, progress)
+
+
+def _pretrain(cfg: PretrainConfig, out_dir: Path, progress: bool) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    out_dir = Path(out_dir)
     train_prompts, _ = shapes.split_prompts(cfg.split_seed, cfg.num_heldout)
     work = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)

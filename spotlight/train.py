@@ -53,6 +53,7 @@ from spotlight.explore import (
 from spotlight.spot_runtime import SpotRuntime, runtime_wanted, start_runtime
 from spotlight.grpo import group_advantages
 from spotlight.mirror import CheckpointMirror
+from spotlight.runlock import RunLock, remove_if_empty_run
 from spotlight.optim import run_cooldown_scale
 from spotlight.policy import load_policy, trainable_state
 from spotlight.prompts import train_and_eval_prompts
@@ -91,36 +92,45 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
     run_dir = Path(run_dir)
     # One process unless launched by accelerate/torchrun; then only rank 0 writes and explores.
     dp = init_data_parallel()
-    mirror, ledger, exploration, rt = None, None, None, None
+    mirror, ledger, exploration, rt, lock = None, None, None, None, None
     if cfg.runtime.rollouts == "cluster" and dp.world_size > 1:
         dp.close()
         raise ValueError(
             "runtime.rollouts=cluster runs with one trainer process (its rank would wait for the others' rollouts); "
             "launch one process, or keep runtime.rollouts=local under accelerate/torchrun"
         )
+    created = not run_dir.exists()
     try:
+        setup_error: BaseException | None = None
         if dp.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            mirror = CheckpointMirror(cfg.log.store_url, keep_last=cfg.log.keep_last) if cfg.log.store_url else None
-            if mirror is not None and resume:
-                # A replacement machine starts with an empty run dir: bring the newest checkpoint (and the
-                # metrics and cost ledger up to it) back from the store before anything reads the run dir.
-                mirror.restore(run_dir)
-            # The cost clock starts before anything loads: a node is paid for while it loads the model too.
-            # A launch of N processes holds at least N GPUs: charge those when the recipe says fewer.
-            ledger = CostLedger(run_dir, replace(cfg.cost, trainer_gpus=max(cfg.cost.trainer_gpus, dp.world_size)), resume=resume)
-            # The runtime's workers (none without cluster rollouts or exploration: Ray is then never
-            # imported) load the model while the trainer does.
-            cfg.validate()
-            rt = start_runtime(cfg, run_dir) if runtime_wanted(cfg) else None
-            if cfg.explore.emulated_nodes and cfg.explore.mode != "none":
-                from spotlight.emulated import EmulatedExplorers
+            try:
+                cfg.validate()  # before anything is written: a bad recipe leaves no run dir behind
+                mirror = CheckpointMirror(cfg.log.store_url, keep_last=cfg.log.keep_last) if cfg.log.store_url else None
+                # One writer per run directory and store (a second trainer refuses; a dead one is taken over).
+                lock = RunLock(run_dir, "spotlight train", store=mirror.store if mirror else None, lease_s=cfg.log.store_lease_s)
+                if mirror is not None:
+                    mirror.guard = lock.check
+                if mirror is not None and resume:
+                    # A replacement machine starts with an empty run dir: bring the newest checkpoint (and the
+                    # metrics and cost ledger up to it) back from the store before anything reads the run dir.
+                    mirror.restore(run_dir)
+                # The cost clock starts before anything loads: a node is paid for while it loads the model too.
+                # A launch of N processes holds at least N GPUs: charge those when the recipe says fewer.
+                ledger = CostLedger(run_dir, replace(cfg.cost, trainer_gpus=max(cfg.cost.trainer_gpus, dp.world_size)), resume=resume)
+                # The runtime's workers (none without cluster rollouts or exploration: Ray is then never
+                # imported) load the model while the trainer does.
+                rt = start_runtime(cfg, run_dir) if runtime_wanted(cfg) else None
+                if cfg.explore.emulated_nodes and cfg.explore.mode != "none":
+                    from spotlight.emulated import EmulatedExplorers
 
-                pool = EmulatedExplorers(cfg)
-            else:
-                pool = rt.explorers() if rt is not None else None
-            exploration = start_exploration(cfg, run_dir, pool)
-        result = _train(cfg, run_dir, dp, exploration, rt, ledger, mirror, resume=resume, progress=progress and dp.is_main, started=started)
+                    pool = EmulatedExplorers(cfg)
+                else:
+                    pool = rt.explorers() if rt is not None else None
+                exploration = start_exploration(cfg, run_dir, pool)
+            except BaseException as err:
+                setup_error = err
+        dp.started(setup_error)
+        result = _train(cfg, run_dir, dp, exploration, rt, ledger, mirror, lock, resume=resume, progress=progress and dp.is_main, started=started)
         dp.finish()
         return result
     finally:
@@ -129,6 +139,10 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
         if rt is not None:
             rt.close()
         dp.close()
+        if lock is not None:
+            lock.release()
+        if created and dp.is_main:
+            remove_if_empty_run(run_dir)
 
 
 def _train(
@@ -139,12 +153,13 @@ def _train(
     rt: SpotRuntime | None,
     ledger: CostLedger | None,
     mirror: CheckpointMirror | None,
+    lock: RunLock | None,
     *,
     resume: bool,
     progress: bool,
     started: float,
 ) -> dict:
-    """The iteration loop; on ranks other than 0, exploration, runtime, ledger and mirror are None.
+    """The iteration loop; on ranks other than 0, exploration, runtime, ledger, mirror and lock are None.
     `started`: `time.monotonic()` when `run_training` began (time/run_s counts from it)."""
     console = Console(quiet=not progress)
     if cfg.train.num_threads:
@@ -259,6 +274,8 @@ def _train(
         if rt is not None:
             rt.start_trace()  # a replayed trace's clock runs from the first iteration on
         for it in range(start_iter, cfg.train.num_iterations):
+            if lock is not None:
+                lock.check(fresh=False)  # a newer trainer took the store over: stop before writing more
             budget.starts()
             t0 = time.monotonic()
             # 1. Rollout: G seeded trajectories per prompt with the current weights; with

@@ -272,6 +272,13 @@ def test_pretrain_caption_dropout_trains_some_images_on_the_empty_prompt(tmp_pat
     assert len(seen) == 64 and SampleConfig().negative_prompt not in seen
     with pytest.raises(ValueError, match="caption_dropout must be in"):
         pretrain(load_config(PretrainConfig, None, [*small, "caption_dropout=1.5"]), tmp_path / "c", progress=False)
+    # An existing --out is never replaced by mistake; --force replaces it, and no lock file stays beside it.
+    before = (tmp_path / "b" / "transformer" / "config.json").read_bytes()
+    with pytest.raises(ValueError, match=r"--out .*b exists; pass --force"):
+        pretrain(load_config(PretrainConfig, None, small), tmp_path / "b", progress=False)
+    assert (tmp_path / "b" / "transformer" / "config.json").read_bytes() == before
+    pretrain(load_config(PretrainConfig, None, small), tmp_path / "b", progress=False, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
 
 
 def test_shipped_base_model_is_the_default():

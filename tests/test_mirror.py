@@ -104,13 +104,14 @@ def _math(row: dict) -> dict:
 
 
 def _train_cmd(model_dir: Path, run_dir: Path, store_url: str, iterations: int) -> list[str]:
-    overrides = [*tiny_overrides(model_dir, iterations), "log.checkpoint_every=2", f"log.store_url={store_url}"]
+    # No end-of-run cooldown: the killed run asks for far more iterations than the others (it must
+    # outlive a second trainer's start), and the schedule would then differ.
+    overrides = [*tiny_overrides(model_dir, iterations), "log.checkpoint_every=2", f"log.store_url={store_url}", "train.lr_cooldown=0"]
     return [sys.executable, "-m", "spotlight.cli", "train", "configs/dit/tiny-shapes.yaml", *overrides,
             "--run-dir", str(run_dir)]  # fmt: skip
 
 
 def test_trainer_killed_and_restarted_on_an_empty_disk_resumes_from_s3(tiny_model_dir, tmp_path):
-    iterations = 6
     with fake_aws_environment(), moto_s3(BUCKET) as endpoint:
         env = dict(os.environ, WANDB_MODE="offline", AWS_ENDPOINT_URL_S3=endpoint, AWS_REGION="us-east-1")
         url = f"s3://{BUCKET}/runs/restart"
@@ -118,7 +119,7 @@ def test_trainer_killed_and_restarted_on_an_empty_disk_resumes_from_s3(tiny_mode
         try:
             store = open_store(url)
             first = subprocess.Popen(
-                _train_cmd(tiny_model_dir, tmp_path / "machine-1", url, iterations), env=env,
+                _train_cmd(tiny_model_dir, tmp_path / "machine-1", url, 100_000), env=env,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )  # fmt: skip
             # Kill the trainer (no cleanup, like a lost node) once a mid-run checkpoint is in the store.
@@ -127,10 +128,17 @@ def test_trainer_killed_and_restarted_on_an_empty_disk_resumes_from_s3(tiny_mode
                 assert first.poll() is None, first.stdout.read()
                 assert time.monotonic() < deadline, "no checkpoint reached the store"
                 time.sleep(0.2)
+            # A replacement machine started while the first trainer still runs: the store's lease refuses it.
+            early = subprocess.run(
+                _train_cmd(tiny_model_dir, tmp_path / "machine-2", url, 100_000), env=env,
+                capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            assert first.poll() is None, "the first trainer ended before it was killed"
+            assert early.returncode == 2 and f"pid {first.pid}" in early.stderr and "lease" in early.stderr, early.stderr
+            assert not (tmp_path / "machine-2").exists()  # the failed start left nothing behind
             first.send_signal(signal.SIGKILL)
             first_log = first.communicate()[0]
-            killed_at = store.latest("checkpoints")
-            assert killed_at != f"checkpoints/step-{iterations:08d}", "the run finished before it was killed"
+            iterations = int(store.latest("checkpoints").rsplit("-", 1)[1]) + 4  # two checkpoints past the kill
 
             second = subprocess.run(
                 _train_cmd(tiny_model_dir, tmp_path / "machine-2", url, iterations), env=env,

@@ -109,13 +109,13 @@ def test_two_processes_match_one(base, tmp_path, schedule, extra, interrupted):
 
 
 def assert_same_run(one: Path, two: Path, base: Path, *, lora: bool) -> None:
-    """Run `two` ended where run `one` did: every metric but times (rtol 1e-4, atol 1e-6), the
+    """Run `two` ended where run `one` did: every metric but times and costs (rtol 1e-4, atol 1e-6), the
     final trainable weights and AdamW moments (atol 1e-6); and the weights moved from the base."""
     rows_one, rows_two = read_metrics(one), read_metrics(two)
     for a, b in zip(rows_one, rows_two, strict=True):
         assert a.keys() == b.keys()
         for key, value in a.items():
-            if not key.startswith("time/"):
+            if not key.startswith(("time/", "cost/")):  # wall time, and the GPU-seconds charged for it
                 assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (a["step"], key)
     ckpt_one, ckpt_two = load_checkpoint(one), load_checkpoint(two)
     assert ckpt_one.step == ckpt_two.step == 3

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from spot.cost import read_ledger
 from spotlight.checkpoint import load_checkpoint
 from spotlight.config_io import load_config
 from vlm.config import VLMRecipe, WarmStartRecipe
@@ -72,6 +73,19 @@ def test_a_grpo_step_changes_trained_weights_and_keeps_frozen_ones(base, tmp_pat
     assert {"reward/accuracy", "grpo/loss", "grpo/kl_ref", "time/rollout_s"} <= row.keys()
     assert row["grpo/zero_variance_groups"] < 2  # some group had a signal
     assert (run / "config.yaml").is_file()
+    # The run keeps a cost ledger, as DiT runs do: `spotlight cost` reads it.
+    assert row["cost/usd_total"] > 0 and row["cost/gpu_s_spot"] == 0
+    assert read_ledger(run)["pools"]["on_demand"]["usage"]
+
+
+def test_a_second_vlm_trainer_on_one_run_dir_refuses(base, tmp_path):
+    from spotlight.runlock import RunDirBusy, RunLock
+
+    run = tmp_path / "run"
+    with RunLock(run, "spotlight vlm train"):
+        with pytest.raises(RunDirBusy, match="spotlight vlm train"):
+            run_training(_recipe(base, "train.num_iterations=1"), run, progress=False)
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]  # the refused trainer wrote nothing
 
 
 def test_lora_step_trains_only_the_adapter(base, tmp_path):

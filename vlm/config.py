@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from spot.cost import CostConfig
+
 
 @dataclass
 class TaskConfig:
@@ -256,6 +258,8 @@ class VLMRecipe:
     """Tracking and checkpoints."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation."""
+    cost: CostConfig = field(default_factory=CostConfig)
+    """GPU prices for the run's cost ledger (`cost.json`, `spotlight cost RUN_DIR`)."""
 
     def validate(self) -> None:
         if self.rollout.group_size < 2:

@@ -36,7 +36,7 @@ import contextlib
 import copy
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +45,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from spot.cost import CostLedger
 from spotlight.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
@@ -52,6 +53,7 @@ from spotlight.distributed import (
     shard_module, swapped_shards,
 )  # fmt: skip
 from spotlight.optim import apply_lr_schedule, run_cooldown_scale
+from spotlight.runlock import RunLock, remove_if_empty_run
 from spotlight.sampling import derive_seed
 from spotlight.time_budget import IterationBudget
 from spotlight.tracking import Tracker
@@ -338,17 +340,34 @@ def gather_rewards(dp: DataParallel, local: RewardResult) -> RewardResult:
 def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, progress: bool = True) -> dict:
     """Post-train the policy of `cfg` with GRPO, writing config, metrics and checkpoints to run_dir."""
     # One process unless launched by accelerate/torchrun; then only rank 0 writes.
+    run_dir = Path(run_dir)
     dp = init_data_parallel()
+    created = not run_dir.exists()
+    lock, ledger = None, None
     try:
-        result = _train(cfg, Path(run_dir), dp, resume=resume, progress=progress and dp.is_main)
+        setup_error: BaseException | None = None
+        if dp.is_main:
+            try:
+                cfg.validate()  # before anything is written: a bad recipe leaves no run dir behind
+                lock = RunLock(run_dir, "spotlight vlm train")  # one writer per run directory
+                # The cost clock starts before anything loads (spot.cost); a launch of N processes holds N GPUs.
+                ledger = CostLedger(run_dir, replace(cfg.cost, trainer_gpus=max(cfg.cost.trainer_gpus, dp.world_size)), resume=resume)
+            except BaseException as err:
+                setup_error = err
+        dp.started(setup_error)
+        result = _train(cfg, run_dir, dp, ledger, resume=resume, progress=progress and dp.is_main)
         dp.finish()
         return result
     finally:
         dp.close()
+        if lock is not None:
+            lock.release()
+        if created and dp.is_main:
+            remove_if_empty_run(run_dir)
 
 
-def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, progress: bool) -> dict:
-    """The iteration loop (every rank runs it; rank 0 writes)."""
+def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger | None, *, resume: bool, progress: bool) -> dict:
+    """The iteration loop (every rank runs it; rank 0 writes, and charges the ledger)."""
     console = Console(quiet=not progress)
     tc, P, G = cfg.train, cfg.train.prompts_per_iteration, cfg.rollout.group_size
     # Prompts rolled out per iteration: P, plus the refill candidates of dynamic sampling.
@@ -362,7 +381,6 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
             "with configs/accelerate/multi-gpu-ddp.yaml (full replicas, both schedules)"
         )
     if dp.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
@@ -516,6 +534,9 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, *, resume: bool, pro
                 )  # fmt: skip
                 metrics.update({f"eval/{k}": v for k, v in summary.items() if k.startswith("accuracy") or k == "format_rate"})
             if dp.is_main:
+                if ledger is not None:
+                    ledger.charge(spot_gpus=0)  # the VLM path runs on its trainer's GPUs only
+                    metrics.update(ledger.metrics())
                 tracker.log(metrics, step=step)
             # Stop before an iteration that would end after train.max_minutes. Rank 0's clock
             # decides for every rank, so that all of them stop after the same iteration.
