@@ -399,6 +399,29 @@ def _set_aside(step_dir: Path) -> Path:
     return dest
 
 
+def checkpoint_kind(ckpt: Checkpoint) -> str:
+    """"dit" or "vlm": which trainer saved `ckpt` (its meta's "kind", else its config's sections);
+    "" when neither tells."""
+    kind = ckpt.meta.get("kind") if isinstance(ckpt.meta, dict) else None
+    if kind in ("dit", "vlm"):
+        return kind
+    import yaml
+
+    try:
+        sections = set(yaml.safe_load(ckpt.config_yaml) or {})
+    except (yaml.YAMLError, TypeError):
+        return ""
+    return "vlm" if {"rollout", "task"} <= sections else "dit" if "sample" in sections else ""
+
+
+def expect_kind(ckpt: Checkpoint, kind: str) -> None:
+    """Raise a one-line ValueError when `ckpt` was saved by the other trainer than `kind`."""
+    found = checkpoint_kind(ckpt)
+    if found and found != kind:
+        command = {"dit": "spotlight eval / sample", "vlm": "spotlight vlm eval"}[found]
+        raise ValueError(f"{ckpt.path} is a {found.upper()} checkpoint, not a {kind.upper()} one; use it with `{command} --checkpoint {ckpt.path}`")
+
+
 def _resolve_step_dir(path: Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")

@@ -38,12 +38,23 @@ def _split_recipe(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     return recipe, items
 
 
-def _load_recipe(args: argparse.Namespace):
-    from spotlight.config import DiTRecipe
-    from spotlight.config_io import load_config
+def _load(cls, command: str, args: argparse.Namespace):
+    """`cls` from the command's recipe and overrides; a recipe of another kind (a VLM recipe given
+    to `spotlight train`) is refused with the command it is for."""
+    from spotlight.config import DiTRecipe, PretrainConfig
+    from spotlight.config_io import check_recipe_kind, load_config
+    from vlm.cli import recipe_kinds
 
     recipe, overrides = _split_recipe(args)
-    return load_config(DiTRecipe, recipe, overrides), recipe
+    kinds = [(DiTRecipe, "spotlight train"), (PretrainConfig, "spotlight pretrain"), *recipe_kinds()]
+    check_recipe_kind(recipe, cls, command, [(k, c) for k, c in kinds if k is not cls])
+    return load_config(cls, recipe, overrides), recipe
+
+
+def _load_recipe(args: argparse.Namespace):
+    from spotlight.config import DiTRecipe
+
+    return _load(DiTRecipe, f"spotlight {args.command}", args)
 
 
 def _policy_with_checkpoint(cfg, checkpoint: str | None, weights: str = "auto"):
@@ -52,12 +63,13 @@ def _policy_with_checkpoint(cfg, checkpoint: str | None, weights: str = "auto"):
     weights: "ema" (the moving average a run with train.ema_decay saves), "raw" (the trained weights)
     or "auto" (the moving average where the checkpoint has one). Returns (policy, checkpoint, which).
     """
-    from spotlight.checkpoint import load_checkpoint
+    from spotlight.checkpoint import expect_kind, load_checkpoint
     from spotlight.policy import load_policy, load_trainable_state
 
     if checkpoint is None:
         return load_policy(cfg.model, trainable=False), None, "base"
     ckpt = load_checkpoint(checkpoint)
+    expect_kind(ckpt, "dit")
     which = "ema" if weights == "ema" or (weights == "auto" and "ema" in ckpt.tensors) else "raw"
     if which == "ema" and "ema" not in ckpt.tensors:
         raise ValueError(f"--weights ema: {ckpt.path} has no moving average (train with train.ema_decay > 0); use --weights raw")
@@ -65,7 +77,11 @@ def _policy_with_checkpoint(cfg, checkpoint: str | None, weights: str = "auto"):
     cfg.model.lora_rank = int(ckpt.meta.get("lora_rank", 0))
     cfg.model.lora_alpha = float(ckpt.meta.get("lora_alpha", 0.0))
     policy = load_policy(cfg.model, trainable=False)
-    load_trainable_state(policy, ckpt.tensors["ema" if which == "ema" else "trainable"])
+    try:
+        load_trainable_state(policy, ckpt.tensors["ema" if which == "ema" else "trainable"])
+    except RuntimeError as err:  # torch's key and shape listing runs to kilobytes: its first line names the problem
+        first = str(err).strip().splitlines()[0]
+        raise ValueError(f"{ckpt.path} does not fit the model at model.path={cfg.model.path or '(default)'}: {first}; give the recipe it was trained with") from None
     return policy, ckpt, which
 
 
@@ -96,7 +112,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     summary["step"] = ckpt.step if ckpt else 0
     summary["weights"] = which
     if args.grid:
-        save_image_grid(images[:64], args.grid, nrow=8)
+        shown = images[:64]
+        save_image_grid(shown, args.grid, nrow=8, captions=prompts[: len(shown)])  # the first seed of each prompt
     if args.json:
         print(json.dumps(summary))
     else:
@@ -113,6 +130,15 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     cfg, _ = _load_recipe(args)
     prompts = list(args.prompt or [])
+    check = prompt_check(cfg.reward.weights)
+    for text in prompts:  # as a prompt file's lines are checked
+        if not text.strip() or any(ord(c) < 32 for c in text):
+            raise ValueError(f"--prompt {text!r}: a prompt is one non-empty line of text")
+        if check is not None:
+            try:
+                check(text)
+            except ValueError as err:
+                raise ValueError(f"--prompt {text!r}: {err}") from None
     if args.prompts:
         prompts += read_prompt_file(args.prompts, check=prompt_check(cfg.reward.weights), field="--prompts")
     if not prompts:
@@ -129,18 +155,16 @@ def cmd_sample(args: argparse.Namespace) -> int:
         batch_size=cfg.eval.batch_size,
         autocast=resolve_autocast(cfg.sample.autocast, policy.device, cfg.train.objective),
     )  # fmt: skip
-    out = save_image_grid(ro.images, args.out, nrow=len(args.seeds))
+    out = save_image_grid(ro.images, args.out, nrow=len(args.seeds), captions=[f"{p} (seed {s})" for p, s in zip(all_prompts, seeds)])
     print(f"wrote {out}: {len(prompts)} prompt(s) as rows x {len(args.seeds)} seed(s) as columns")
     return 0
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from spotlight.config import PretrainConfig
-    from spotlight.config_io import load_config
     from spotlight.pretrain import pretrain
 
-    recipe, overrides = _split_recipe(args)
-    cfg = load_config(PretrainConfig, recipe, overrides)
+    cfg, _ = _load(PretrainConfig, "spotlight pretrain", args)
     summary = pretrain(cfg, args.out, progress=not args.quiet, force=args.force)
     print(json.dumps(summary))
     return 0

@@ -200,7 +200,7 @@ class LogConfig:
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     """wandb mode; online needs `wandb login` (or WANDB_API_KEY)."""
     images_every: int = 10
-    """Log an image grid every this many iterations."""
+    """Log an image grid every this many iterations, and at the end of the run (0: never)."""
     checkpoint_every: int = 10
     """Save a checkpoint every this many iterations (and at the end)."""
     keep_last: int = 3
@@ -414,6 +414,13 @@ class DiTRecipe:
             prompt_family(self.explore.planner_family)
         except ValueError as e:
             raise ValueError(f"explore.planner_family: {e}") from None
+        if not self.train.lr > 0:
+            raise ValueError(f"train.lr must be > 0, got {self.train.lr}")
+        if self.train.weight_decay < 0:
+            raise ValueError(f"train.weight_decay must be >= 0, got {self.train.weight_decay}")
+        for name in ("num_iterations", "prompts_per_iteration", "minibatch_size"):
+            if getattr(self.train, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self.train, name)}")
         if self.sample.guidance_scale < 1:
             raise ValueError(f"sample.guidance_scale must be >= 1 (1 disables CFG), got {self.sample.guidance_scale}")
         if not 0 < self.train.adam_beta2 < 1:

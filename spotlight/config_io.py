@@ -236,6 +236,24 @@ def load_config(cls: type[T], recipe: str | Path | None = None, overrides: Seque
     return _build(cls, data, "", where)
 
 
+def check_recipe_kind(recipe: str | Path | None, cls: type, command: str, others: Sequence[tuple[type, str]]) -> None:
+    """Raise a ValueError naming the right command when `recipe`'s top-level keys are not all
+    fields of `cls` but are all fields of one of `others` ((config class, its command) pairs): a
+    DiT recipe given to `spotlight vlm train`, say, instead of a "did you mean" about one key."""
+    if recipe is None:
+        return
+    keys = set(_read_recipe(Path(recipe)))
+    if keys <= {f.name for f in dataclasses.fields(cls)}:
+        return
+    for other, other_command in others:
+        if keys <= {f.name for f in dataclasses.fields(other)}:
+            raise ValueError(
+                f"{recipe} is a recipe for `{other_command}`, not for `{command}` (its sections "
+                f"{', '.join(sorted(keys - {f.name for f in dataclasses.fields(cls)}))} are not {command}'s); "
+                f"run `{other_command} {recipe}`"
+            )
+
+
 def _read_recipe(path: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"recipe file {str(path)!r} not found (working directory: {os.getcwd()})")

@@ -133,7 +133,15 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     explore_log = _read_jsonl(run_dir / LOG_FILE)
 
     page = _Page(Path(out_dir) if out_dir is not None else run_dir / REPORT_DIR)
-    page.out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        page.out_dir.mkdir(parents=True, exist_ok=True)
+        return _write(page, run_dir, rows, config, config_text, ledger, ledger_problem, explore_log)
+    except OSError as err:
+        hint = "; pass --out DIR to write it elsewhere" if out_dir is None else ""
+        raise ValueError(f"cannot write the report into {page.out_dir} ({err.strerror}: {err.filename}){hint}") from None
+
+
+def _write(page: _Page, run_dir: Path, rows, config, config_text, ledger, ledger_problem, explore_log) -> Path:
     _rewards(page, rows)
     _validation(page, rows, config)
     _timing(page, rows)

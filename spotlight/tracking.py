@@ -60,15 +60,59 @@ def image_grid(images: torch.Tensor, nrow: int) -> Image.Image:
     return Image.fromarray(pixels_HW3)
 
 
-def save_image_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int) -> Path:
-    """Write `image_grid(images, nrow)` to `path` (format from its suffix, e.g. .png).
+def labelled_grid(images: torch.Tensor, nrow: int, captions: list[str], min_tile: int = 128) -> Image.Image:
+    """`image_grid` made readable: each image upscaled (nearest neighbour, a whole factor) to at
+    least `min_tile` pixels on its longer side, and its caption written under it, wrapped to the
+    tile's width (at most 3 lines; a longer one ends in "...")."""
+    from PIL import ImageDraw, ImageFont
+
+    if len(captions) != images.shape[0]:
+        raise ValueError(f"got {len(captions)} captions for {images.shape[0]} images; pass one per image")
+    h, w = images.shape[-2:]
+    scale = max(1, math.ceil(min_tile / max(h, w)))
+    big = torch.nn.functional.interpolate(images.detach().float().cpu(), scale_factor=scale, mode="nearest")
+    tiles = image_grid(big, nrow)
+    font = ImageFont.load_default(size=12)
+    tile_w, tile_h = w * scale, h * scale
+    lines = [_wrap(c, font, tile_w - 4, max_lines=3) for c in captions]
+    line_h = 14
+    band = 4 + line_h * max(len(x) for x in lines)
+    num_cols = min(nrow, len(captions))
+    num_rows = math.ceil(len(captions) / num_cols)
+    out = Image.new("RGB", (tiles.width, num_rows * (tile_h + band + _GAP_PX) - _GAP_PX), "white")
+    draw = ImageDraw.Draw(out)
+    for i, text in enumerate(lines):
+        row, col = divmod(i, num_cols)
+        left, top = col * (tile_w + _GAP_PX), row * (tile_h + band + _GAP_PX)
+        out.paste(tiles.crop((left, row * (tile_h + _GAP_PX), left + tile_w, row * (tile_h + _GAP_PX) + tile_h)), (left, top))
+        for k, line in enumerate(text):
+            draw.text((left + 2, top + tile_h + 2 + k * line_h), line, fill="black", font=font)
+    return out
+
+
+def _wrap(text: str, font, width: int, max_lines: int) -> list[str]:
+    lines: list[str] = []
+    for word in text.split():
+        if lines and font.getlength(f"{lines[-1]} {word}") <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    if len(lines) > max_lines:
+        lines = lines[:max_lines]
+        lines[-1] += " ..."
+    return lines or [""]
+
+
+def save_image_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int, captions: list[str] | None = None) -> Path:
+    """Write the grid of `images` to `path` (format from its suffix, e.g. .png): `labelled_grid`
+    with `captions`, else the plain `image_grid`.
 
     Returns:
         The path written.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    image_grid(images, nrow).save(path)
+    (image_grid(images, nrow) if captions is None else labelled_grid(images, nrow, captions)).save(path)
     return path
 
 
@@ -199,7 +243,7 @@ class Tracker:
             raise ValueError(
                 f"got {len(captions)} captions for {images.shape[0]} images; pass one per image"
             )
-        grid = image_grid(images, nrow)
+        grid = labelled_grid(images, nrow, captions)
         path = self.run_dir / IMAGES_DIR / f"{key.replace('/', '_')}-{step:06d}.png"
         path.parent.mkdir(exist_ok=True)
         grid.save(path)

@@ -225,7 +225,7 @@ def _train(
             optimizer_state=optimizer_state,
             rng_state=capture_rng_state(),
             meta={
-                "step": step, "metrics": metrics, "lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
+                "kind": "dit", "step": step, "metrics": metrics, "lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
                 **({"explore": exploration.state_dict()} if exploration is not None else {}),
             },  # fmt: skip
             config_yaml=dump_yaml(cfg),
@@ -370,10 +370,6 @@ def _train(
             emulated_s[0] += metrics.get("time/emulated_explore_s", 0.0)
             step = it + 1
             history.append(metrics)
-            firsts = None
-            if cfg.log.images_every and step % cfg.log.images_every == 0:
-                # The first sample of each of the first 16 groups, from whichever rank rolled it out.
-                firsts = dp.all_gather_rows(ro.images[[i - lo for i in range(0, min(P, 16) * G, G) if lo <= i < hi]])
             eval_summary = None
             if cfg.eval.every and step % cfg.eval.every == 0:
                 # Held-out reward of θ_{k+1}; its time is outside time/iteration_s. Every rank
@@ -392,8 +388,6 @@ def _train(
                 charge_cost()
                 metrics.update(ledger.metrics())
                 tracker.log(metrics, step=step)
-                if firsts is not None:
-                    tracker.log_images("rollout", firsts, prompts[::G][:16], step=step, nrow=4)
             # Stop before an iteration that would end after train.max_minutes. Rank 0's clock
             # decides for every rank, so that all of them stop after the same iteration.
             out_of_time = step < cfg.train.num_iterations and dp.broadcast_object(not budget.next_fits())
@@ -401,7 +395,13 @@ def _train(
             at_target = cfg.eval.stop_at is not None and dp.broadcast_object(
                 eval_summary is not None and eval_summary["mean_reward"] >= cfg.eval.stop_at
             )
-            if step % cfg.log.checkpoint_every == 0 or step == cfg.train.num_iterations or out_of_time or at_target:
+            last = step == cfg.train.num_iterations or out_of_time or at_target
+            if cfg.log.images_every and (step % cfg.log.images_every == 0 or last):  # and at the end of every run
+                # The first sample of each of the first 16 groups, from whichever rank rolled it out.
+                firsts = dp.all_gather_rows(ro.images[[i - lo for i in range(0, min(P, 16) * G, G) if lo <= i < hi]])
+                if dp.is_main:
+                    tracker.log_images("rollout", firsts, prompts[::G][:16], step=step, nrow=4)
+            if step % cfg.log.checkpoint_every == 0 or last:
                 state = gather_train_state(dp, policy, trainer.optimizer)  # under FSDP, a collective
                 ema = None
                 if trainer.ema is not None:

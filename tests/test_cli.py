@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,7 +77,11 @@ def test_train_eval_sample_end_to_end(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     from PIL import Image
 
-    assert Image.open(out).size == (2 * 32 + 2, 32)
+    # Upscaled 4x to 128 px tiles, with the prompt and seed written under each (a band of text).
+    with Image.open(out) as grid:
+        assert grid.width == 2 * 128 + 2 and grid.height > 128 + 14
+        band = np.asarray(grid.convert("L"))[130:, :128]
+        assert (band < 128).any() and (band == 255).mean() > 0.5  # dark text on white
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from spotlight.tracking import Tracker, image_grid, read_metrics, save_image_grid
+from spotlight.tracking import Tracker, image_grid, labelled_grid, read_metrics, save_image_grid
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +42,20 @@ def test_image_grid_shape_gap_and_clamp():
         image_grid(torch.rand(3, 4, 4), nrow=2)
 
 
+def test_labelled_grid_writes_each_caption_under_its_tile():
+    images = torch.zeros(3, 3, 32, 32)  # black tiles: the white caption bands stand out
+    grid = labelled_grid(images, nrow=3, captions=["one red circle", "", "x " * 80])
+    pixels = np.asarray(grid.convert("L"))
+    assert grid.width == 3 * 128 + 2 * 2
+    assert (pixels[:128, :128] == 0).all()  # the tile, upscaled 4x
+    band = pixels[128:, :]
+    assert (band[:, :128] < 128).any()  # text under the first tile
+    assert (band[:, 130:258] == 255).all()  # an empty caption writes nothing
+    assert band.shape[0] <= 4 + 3 * 14  # a long caption is cut at three lines
+    with pytest.raises(ValueError, match="captions"):
+        labelled_grid(images, nrow=3, captions=["a"])
+
+
 def test_save_image_grid(tmp_path):
     path = save_image_grid(torch.rand(4, 3, 6, 6), tmp_path / "sub" / "grid.png", nrow=2)
     with Image.open(path) as image:
@@ -65,7 +79,8 @@ def test_tracker_logs_resumes_and_truncates(tmp_path):
 
     assert png == run_dir / "images" / "samples_eval-000004.png"
     with Image.open(png) as image:
-        assert image.size == (18, 18)
+        # 8 px images upscaled 16x to 128 px tiles, 2 per row, each with its caption in a band below.
+        assert image.width == 2 * 128 + 2 and 2 * 128 + 2 * 18 <= image.height <= 2 * 128 + 2 * 50
     rows = read_metrics(run_dir)
     assert rows == [{"step": s, "reward": s / 10, "loss": 2.0 * s} for s in range(1, 6)]
     assert (run_dir / "wandb_id.txt").read_text().strip() == first_id

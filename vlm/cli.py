@@ -18,10 +18,20 @@ def _split_recipe(items: list[str]) -> tuple[str | None, list[str]]:
     return recipe, items
 
 
+def recipe_kinds() -> list[tuple[type, str]]:
+    """The VLM config classes with the command each is for (`config_io.check_recipe_kind`)."""
+    from vlm.config import VLMRecipe, WarmStartRecipe
+
+    return [(VLMRecipe, "spotlight vlm train"), (WarmStartRecipe, "spotlight vlm warmstart")]
+
+
 def _load(cls, args: argparse.Namespace):
-    from spotlight.config_io import load_config
+    from spotlight.config import DiTRecipe, PretrainConfig
+    from spotlight.config_io import check_recipe_kind, load_config
 
     recipe, overrides = _split_recipe(args.items)
+    kinds = [*recipe_kinds(), (DiTRecipe, "spotlight train"), (PretrainConfig, "spotlight pretrain")]
+    check_recipe_kind(recipe, cls, next(c for k, c in kinds if k is cls), [(k, c) for k, c in kinds if k is not cls])
     return load_config(cls, recipe, overrides)
 
 
@@ -46,7 +56,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from spotlight.checkpoint import load_checkpoint
+    from spotlight.checkpoint import expect_kind, load_checkpoint
     from vlm.config import VLMRecipe
     from vlm.evaluate import evaluate
     from vlm.policy import load_policy, load_trainable_state
@@ -55,6 +65,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ckpt = None
     if args.checkpoint:
         ckpt = load_checkpoint(args.checkpoint)
+        expect_kind(ckpt, "vlm")
         # The adapter shape comes from the checkpoint, not from the (possibly different) recipe.
         cfg.model.lora_rank = int(ckpt.meta.get("lora_rank", 0))
         cfg.model.lora_alpha = float(ckpt.meta.get("lora_alpha", 0.0))

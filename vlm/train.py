@@ -428,7 +428,7 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger |
             tensors={"trainable": state[0]},
             optimizer_state=state[1],
             rng_state=capture_rng_state(),
-            meta={"step": step, "metrics": metrics, "lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
+            meta={"kind": "vlm", "step": step, "metrics": metrics, "lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
                   "train_vision": cfg.model.train_vision},
             config_yaml=dump_yaml(cfg),
             keep_last=cfg.log.keep_last,
