@@ -123,7 +123,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from spotlight.prompts import prompt_check, read_prompt_file
+    from spotlight.prompts import check_prompt, prompt_check, read_prompt_file
     from spotlight.rollout import resolve_autocast, rollout
     from spotlight.sampling import qwen_image_sigmas
     from spotlight.tracking import save_image_grid
@@ -132,13 +132,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     prompts = list(args.prompt or [])
     check = prompt_check(cfg.reward.weights)
     for text in prompts:  # as a prompt file's lines are checked
-        if not text.strip() or any(ord(c) < 32 for c in text):
-            raise ValueError(f"--prompt {text!r}: a prompt is one non-empty line of text")
-        if check is not None:
-            try:
-                check(text)
-            except ValueError as err:
-                raise ValueError(f"--prompt {text!r}: {err}") from None
+        check_prompt(text, check, f"--prompt {text!r}")
     if args.prompts:
         prompts += read_prompt_file(args.prompts, check=prompt_check(cfg.reward.weights), field="--prompts")
     if not prompts:

@@ -33,17 +33,25 @@ def read_prompt_file(path: str | Path, *, check: Callable[[str], object] | None 
             raise ValueError(f"{path}:{number}: not UTF-8 text ({err.reason})") from None
         if not text or text.startswith("#"):
             continue
-        if any(ord(c) < 32 for c in text):
-            raise ValueError(f"{path}:{number}: control character in prompt {text!r}")
-        if check is not None:
-            try:
-                check(text)
-            except ValueError as err:
-                raise ValueError(f"{path}:{number}: {err}") from None
+        check_prompt(text, check, f"{path}:{number}")
         prompts.append(text)
     if not prompts:
         raise ValueError(f"prompt file {str(path)}{where} holds no prompts")
     return prompts
+
+
+def check_prompt(text: str, check: Callable[[str], object] | None, where: str) -> None:
+    """Raise a ValueError starting with `where` when `text` is not one line of prompt text or
+    fails `check` (see `prompt_check`)."""
+    if not text.strip():
+        raise ValueError(f"{where}: empty prompt; a prompt is one non-empty line of text")
+    if any(ord(c) < 32 for c in text):
+        raise ValueError(f"{where}: control character in prompt {text!r}")
+    if check is not None:
+        try:
+            check(text)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
 
 
 def prompt_check(reward_names) -> Callable[[str], object] | None:

@@ -103,7 +103,7 @@ CASES: list[tuple[str, Callable[[Scene], list[str]], str]] = [
     ("missing prompt file", lambda s: ["eval", "--prompts", str(s.root / "p.txt")], "does not exist"),
     ("binary prompt file", lambda s: ["eval", "--prompts", str(s.file("p.txt", BINARY))], "not UTF-8"),
     ("prompt outside the grammar", lambda s: ["sample", "--prompt", "seventeen purple hexagons"], "--prompt 'seventeen purple hexagons'"),
-    ("empty prompt", lambda s: ["sample", "--prompt", " "], "non-empty line"),
+    ("empty prompt", lambda s: ["sample", "--prompt", " "], "empty prompt"),
     ("pretrain over an existing model", lambda s: ["pretrain", "--out", str(s.file("base/model_index.json", b"{}").parent)], "pass --force"),
     ("report of a non-run", lambda s: ["report", str(s.root)], "no metrics.jsonl"),
     ("report into an unwritable folder", report_unwritable, "pass --out DIR"),
