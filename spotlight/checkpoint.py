@@ -329,18 +329,21 @@ def set_latest(step_dir: Path) -> None:
 def find_latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     """The step dir named by `run_dir/checkpoints/latest`, else the highest complete one, else None.
 
-    A step dir counts as complete when it has a manifest; its files are verified only on load.
+    A complete step dir above the one `latest` names wins: a save killed after its rename into
+    place and before `latest` moved left it whole. A step dir counts as complete when it has a
+    manifest; its files are verified only on load.
     """
     ckpt_dir = Path(run_dir) / "checkpoints"
     if not ckpt_dir.is_dir():
         return None
+    complete = _complete_step_dirs(ckpt_dir)
     latest = ckpt_dir / "latest"
     if latest.is_file():
         name = latest.read_text(encoding="utf-8").strip()
         if _STEP_DIR_RE.fullmatch(name) and (ckpt_dir / name).is_dir():
-            return ckpt_dir / name
+            named = ckpt_dir / name
+            return complete[-1] if complete and step_of(complete[-1]) > step_of(named) else named
         logger.warning("%s names %r, not a step dir; using the highest complete one", latest, name)
-    complete = _complete_step_dirs(ckpt_dir)
     return complete[-1] if complete else None
 
 
@@ -363,6 +366,7 @@ def newest_intact_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
     ckpt_dir = Path(run_dir) / "checkpoints"
     if not ckpt_dir.is_dir():
         return None
+    _recover_replaced(ckpt_dir)
     named = find_latest_checkpoint(run_dir)
     others = sorted((p for p in ckpt_dir.iterdir() if step_of(p) is not None and p.is_dir() and p != named), key=step_of, reverse=True)
     damaged: list[str] = []
@@ -384,6 +388,17 @@ def newest_intact_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
             + "; ".join(damaged) + ". Start over with --no-resume, or restore a copy"
         )
     return None
+
+
+def _recover_replaced(ckpt_dir: Path) -> None:
+    """Put back a step dir that a save of the same step moved aside (`.tmp-replaced-*`) and was
+    killed before the new one took its place; the next save would otherwise delete it."""
+    for old in sorted(ckpt_dir.glob(f"{_TMP_PREFIX}replaced-step-*")):
+        name = old.name[len(f"{_TMP_PREFIX}replaced-"):].rsplit("-", 1)[0]
+        if _STEP_DIR_RE.fullmatch(name) and not (ckpt_dir / name).exists():
+            os.replace(old, ckpt_dir / name)
+            logger.warning("%s: put back %s, which a save killed midway had moved aside", ckpt_dir, name)
+    fsync_path(ckpt_dir)
 
 
 def _set_aside(step_dir: Path) -> Path:
