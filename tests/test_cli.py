@@ -234,12 +234,25 @@ def test_objective_and_step_mismatches_name_the_fields(capsys, overrides, names)
     assert all(name in err for name in names), err
 
 
-@pytest.mark.parametrize("recipe", sorted(str(p) for p in Path("configs/dit").glob("*.yaml")))
-def test_every_recipe_loads(recipe):
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs/dit").glob("*.yaml"))
+
+
+def test_the_recipes_are_found():
+    assert {"configs/dit/tiny-shapes.yaml", "configs/dit/qwen-image.yaml", "configs/dit/tiny-pretrain.yaml"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_loads_and_its_prompt_files_are_shipped(recipe, monkeypatch):
     from spotlight.config import DiTRecipe, PretrainConfig
     from spotlight.config_io import load_config
+    from spotlight.prompts import train_and_eval_prompts
 
-    load_config(PretrainConfig if "pretrain" in recipe else DiTRecipe, recipe)
+    monkeypatch.chdir(REPO)  # the README's commands run from the repository root
+    cfg = load_config(PretrainConfig if "pretrain" in recipe else DiTRecipe, recipe)
+    if isinstance(cfg, DiTRecipe):
+        train, evals = train_and_eval_prompts(cfg.data, cfg.reward.weights)  # files exist, and each line passes
+        assert train and evals
 
 
 def test_pretrain_command_builds_a_loadable_model(tmp_path, capsys):

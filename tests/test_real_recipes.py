@@ -77,7 +77,7 @@ DIT_RECIPES = {
         GENEVAL_PROMPTS,
         "geneval",
     ),
-    "qwen-image": (lambda m: [f"reward.clip_model_path={m['clip']}"], OCR_PROMPTS, "clip_score"),
+    "qwen-image": (lambda m: [f"reward.clip_model_path={m['clip']}", f"reward.clip_processor_path={m['clip']}"], OCR_PROMPTS, "pickscore"),
 }
 
 
