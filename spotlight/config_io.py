@@ -221,7 +221,7 @@ def load_config(cls: type[T], recipe: str | Path | None = None, overrides: Seque
     if base:
         _merge(data, base, "", "base", origins)
     if recipe is not None:
-        _merge(data, _read_recipe(Path(recipe)), "", str(recipe), origins)
+        _merge(data, read_recipe(Path(recipe)), "", str(recipe), origins)
     for text in overrides:
         _set_dotted(data, *parse_override(text), origins)
     fallback = str(recipe) if recipe is not None else ""
@@ -242,7 +242,7 @@ def check_recipe_kind(recipe: str | Path | None, cls: type, command: str, others
     DiT recipe given to `spotlight vlm train`, say, instead of a "did you mean" about one key."""
     if recipe is None:
         return
-    keys = set(_read_recipe(Path(recipe)))
+    keys = set(read_recipe(Path(recipe)))
     if keys <= {f.name for f in dataclasses.fields(cls)}:
         return
     for other, other_command in others:
@@ -254,7 +254,9 @@ def check_recipe_kind(recipe: str | Path | None, cls: type, command: str, others
             )
 
 
-def _read_recipe(path: Path) -> dict:
+def read_recipe(path: Path) -> dict:
+    """The top-level mapping of a YAML recipe; a ValueError naming the file when it is missing, not
+    text, not YAML or not a mapping."""
     if not path.is_file():
         raise ValueError(f"recipe file {str(path)!r} not found (working directory: {os.getcwd()})")
     try:

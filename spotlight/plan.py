@@ -63,7 +63,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import yaml
 
 GIB = 2**30
 HEADROOM = 0.10
@@ -357,8 +356,9 @@ def recipe_kind(path: str | None) -> str:
     """"vlm" for a VLM recipe (it has `rollout` or `task` sections), else "dit"."""
     if path is None:
         return "dit"
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    return "vlm" if isinstance(data, dict) and ({"rollout", "task"} & set(data)) else "dit"
+    from spotlight.config_io import read_recipe
+
+    return "vlm" if {"rollout", "task"} & set(read_recipe(Path(path))) else "dit"
 
 
 def plan_recipe(recipe: str | None, overrides: list[str], *, gpus: int, gpu_mem_gib: float) -> Plan:

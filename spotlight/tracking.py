@@ -111,8 +111,14 @@ def save_image_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int, ca
         The path written.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    (image_grid(images, nrow) if captions is None else labelled_grid(images, nrow, captions)).save(path)
+    grid = image_grid(images, nrow) if captions is None else labelled_grid(images, nrow, captions)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        grid.save(path)
+    except OSError as err:
+        raise ValueError(f"cannot write the image {path} ({err.strerror or err}); choose a writable path") from None
+    except ValueError as err:  # PIL: no format for that suffix
+        raise ValueError(f"cannot write the image {path}: {err}; give a .png path") from None
     return path
 
 

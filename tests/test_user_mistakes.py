@@ -108,6 +108,11 @@ CASES: list[tuple[str, Callable[[Scene], list[str]], str]] = [
     ("report of a non-run", lambda s: ["report", str(s.root)], "no metrics.jsonl"),
     ("report into an unwritable folder", report_unwritable, "pass --out DIR"),
     ("cost of a damaged ledger", lambda s: ["cost", str(s.file("c/cost.json", b'{"version": 1, "po').parent)], "not a valid cost ledger"),
+    ("sample into an unwritable path", lambda s: ["sample", "--prompt", "one red circle", "--seeds", "0", "--out", str(s.file("afile", b"x") / "g.png")], "cannot write the image"),
+    ("vlm warmstart over a file", lambda s: ["vlm", "warmstart", "--out", str(s.file("afile", b"x"))], "(a file); pass --force"),
+    ("vlm warmstart over a model", lambda s: ["vlm", "warmstart", "--out", str(s.file("vlm/config.json", b"{}").parent)], "exists; pass --force"),
+    ("binary recipe to plan", lambda s: ["plan", str(s.file("bin.yaml", BINARY))], "bin.yaml: not a text file"),
+    ("binary simulator profile", lambda s: ["simulate", "--synthetic", "--profile", str(s.file("p.yaml", BINARY))], "p.yaml: not a text file"),
     ("binary trace", lambda s: ["simulate", "--trace", str(s.file("t.csv", BINARY))], "t.csv: not a text file"),
     ("missing trace", lambda s: ["simulate", "--trace", str(s.root / "t.csv")], "t.csv: no such file"),
 ]  # fmt: skip

@@ -41,7 +41,7 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
 
     cfg = _load(WarmStartRecipe, args)
     out = args.out or "runs/vlm-tiny-base"
-    print(json.dumps(warm_start(cfg, out, progress=not args.quiet)))
+    print(json.dumps(warm_start(cfg, out, progress=not args.quiet, force=args.force)))
     return 0
 
 
@@ -106,7 +106,8 @@ def add_subcommands(subparsers) -> argparse.ArgumentParser:
         return p
 
     p = command("warmstart", "Build the tiny VLM, pretrain its vision tower, and teach it the answer format (supervised, short).", cmd_warmstart)
-    p.add_argument("--out", help="output model folder (default: runs/vlm-tiny-base)")
+    p.add_argument("--out", help="output model folder (default: runs/vlm-tiny-base; refused if it exists, unless --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = command("train", "Post-train a VLM with GRPO (default: the tiny shapes-question recipe on CPU).", cmd_train)

@@ -20,6 +20,7 @@ recipe loads.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -88,16 +89,22 @@ def pretrain_vision(policy: VLMPolicy, cfg: WarmStartRecipe, bar: Progress | Non
     return losses
 
 
-def warm_start(cfg: WarmStartRecipe, out: str | Path, *, progress: bool = True) -> dict:
+def warm_start(cfg: WarmStartRecipe, out: str | Path, *, progress: bool = True, force: bool = False) -> dict:
     """Build a tiny VLM for `cfg.task`, train it on gold answers for `cfg.num_steps`, save it to `out`.
+
+    force: replace an existing `out` (else a ValueError: a model is never overwritten by mistake).
 
     Returns:
         A summary with the held-out evaluation of the saved model.
     """
+    out = Path(out)
+    if out.exists() and not force:
+        raise ValueError(f"--out {out} exists{'' if out.is_dir() else ' (a file)'}; pass --force to replace it, or choose another --out")
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
     console = Console(quiet=not progress)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    out = Path(out)
     began = time.monotonic()
     build_tiny_vlm(out, cfg.model, corpus(cfg.task), image_px=cfg.task.grid_size * CELL_PX)
     policy = VLMPolicy.load(out, field="--out")

@@ -214,7 +214,13 @@ def load_profile(name_or_path: str) -> Profile:
     path = Path(name_or_path)
     if not path.is_file():
         raise ValueError(f"profile {name_or_path!r} is neither a built-in ({', '.join(BUILTIN)}) nor a file")
-    doc = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+    try:
+        text = path.read_text(encoding="utf-8")
+        doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a text file (byte {e.start} is not UTF-8); a profile is YAML or JSON") from None
+    except (ValueError, yaml.YAMLError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{path}: not a valid profile ({str(e).splitlines()[0]})") from None
     return profile_from_dict(doc, where=str(path))
 
 
