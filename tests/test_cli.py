@@ -103,6 +103,12 @@ def test_resume_is_exact(tiny_model_dir, tmp_path, objective):
         assert torch.equal(value, b.tensors["trainable"][key]), key
 
 
+def test_a_run_shorter_than_images_every_still_logs_its_images(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(["train", *tiny_overrides(tiny_model_dir, 1), "log.images_every=10", "--run-dir", str(run_dir), "--quiet"]) == 0
+    assert sorted(p.name for p in (run_dir / "images").iterdir()) == ["rollout-000001.png"]
+
+
 def test_periodic_held_out_eval_during_training(tiny_model_dir, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", *tiny_overrides(tiny_model_dir, 2), "eval.every=2", "--run-dir", str(run_dir), "--quiet"]) == 0
