@@ -1,4 +1,4 @@
-"""The `spotlight` command: train, eval, sample, pretrain, config, cost, report, plan, simulate, vlm.
+"""The `spotlight` command: train, eval, sample, pretrain, config, cost, report, export, plan, simulate, vlm.
 
 train, eval, sample, pretrain and config take an optional recipe (a YAML file; none = the embedded
 tiny-shapes default) followed by dotted overrides such as `train.lr=3e-4`; `cost` and `report` read
@@ -211,6 +211,26 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from spotlight.checkpoint import checkpoint_kind, load_checkpoint
+
+    if args.items:
+        raise ValueError(f"export takes a run directory or checkpoint and no overrides, got {' '.join(args.items)}")
+    ckpt = load_checkpoint(args.run_dir)
+    kind = checkpoint_kind(ckpt) or "dit"
+    if kind == "vlm":
+        from vlm.cli import export_vlm_checkpoint
+
+        summary = export_vlm_checkpoint(ckpt, args.to, args.format or "transformers", weights=args.weights, force=args.force)
+    else:
+        from spotlight.export import export_dit
+
+        fmt = args.format or ("diffusers-lora" if ckpt.meta.get("lora_rank") else "diffusers")
+        summary = export_dit(ckpt, args.to, fmt, weights=args.weights, force=args.force)
+    print(json.dumps({"checkpoint": str(ckpt.path), "kind": kind, **summary}))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from spotlight.plan import plan_json, plan_recipe, print_plan
 
@@ -276,6 +296,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (its cost.json)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(fn=cmd_cost, items=[], loads_models=False)
+
+    help_text = "Export a run's trained weights for diffusers (DiT) or transformers / peft (VLM)."
+    p = sub.add_parser("export", help=help_text, description=help_text)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (its newest checkpoint) or one checkpoint step directory")
+    p.add_argument("--to", required=True, help="output folder (refused if it exists, unless --force)")
+    p.add_argument(
+        "--format", choices=["diffusers-lora", "diffusers", "transformers", "peft"],
+        help="DiT: diffusers-lora (QwenImagePipeline.load_lora_weights; default for LoRA runs) or diffusers "
+        "(QwenImageTransformer2DModel.from_pretrained, the adapter merged); VLM: transformers "
+        "(AutoModelForImageTextToText.from_pretrained, merged; default) or peft (PeftModel.from_pretrained)",
+    )  # fmt: skip
+    p.add_argument("--weights", **weights_option)
+    p.add_argument("--force", action="store_true", help="replace an existing --to folder")
+    p.set_defaults(fn=cmd_export, items=[])
 
     help_text = "Write a self-contained HTML report (and its PNGs) of a run directory: curves, images, planner, nodes, cost, config."
     p = sub.add_parser("report", help=help_text, description=help_text)

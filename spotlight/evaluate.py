@@ -77,6 +77,7 @@ def evaluate(
     valid = total[~torch.isnan(total)]
     summary = {
         "mean_reward": float(valid.mean()) if len(valid) else math.nan,
+        **_standard_errors(total, len(prompts)),
         "reward_std": float(valid.std(unbiased=False)) if len(valid) else math.nan,
         "num_prompts": len(prompts),
         "num_samples": len(total),
@@ -86,3 +87,24 @@ def evaluate(
         summary[f"reward/{name}"] = float(scores[~torch.isnan(scores)].mean())
     summary["seconds"] = round(time.monotonic() - start, 2)
     return summary, dp.all_gather_rows(torch.cat(firsts))
+
+
+def _standard_errors(total_B: torch.Tensor, num_prompts: int) -> dict[str, float]:
+    """Standard errors of the mean reward, samples prompt-major (each prompt's seeds together).
+
+    stderr: the seeds' noise with these prompts fixed, sqrt(sum_p var_p / S_p) / P (var_p the
+    unbiased variance of prompt p's seeds): how far a second evaluation with other seeds would move
+    the mean, what a comparison of two checkpoints on the same prompts needs.
+    stderr_prompts: the spread of the per-prompt means over sqrt(P): how the figure would move on
+    another draw of P prompts from the same task.
+    """
+    per_prompt = total_B.double().reshape(num_prompts, -1)
+    seeds = (~torch.isnan(per_prompt)).sum(1)
+    means = per_prompt.nanmean(1)
+    ok = seeds >= 2
+    var = ((per_prompt - means[:, None]) ** 2).nan_to_num(0.0).sum(1)[ok] / (seeds[ok] - 1)
+    nan = math.nan
+    return {
+        "stderr": float((var / seeds[ok]).sum().sqrt() / ok.sum()) if ok.any() else nan,
+        "stderr_prompts": float(means[~torch.isnan(means)].std() / math.sqrt((~torch.isnan(means)).sum())) if (~torch.isnan(means)).sum() > 1 else nan,
+    }

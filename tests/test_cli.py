@@ -344,3 +344,14 @@ def test_vlm_commands_live_under_spotlight(capsys):
     out = capsys.readouterr().out
     assert "lr: 0.0001" in out
     assert main(["vlm", "config", "configs/vlm/tiny-count.yaml", "train.lrr=1e-4"]) == 2
+
+
+def test_eval_states_the_standard_errors_of_its_mean():
+    from spotlight.evaluate import _standard_errors
+
+    # 2 prompts x 3 seeds, prompt-major: seed variances 1 and 0, prompt means 1 and 1.
+    se = _standard_errors(torch.tensor([0.0, 1.0, 2.0, 1.0, 1.0, 1.0]), 2)
+    assert se["stderr"] == pytest.approx((1 / 3) ** 0.5 / 2) and se["stderr_prompts"] == 0.0
+    # A failed (NaN) sample leaves its prompt with fewer seeds; prompt means 1 and 3.
+    se = _standard_errors(torch.tensor([0.0, 2.0, float("nan"), 3.0, 3.0, 3.0]), 2)
+    assert se["stderr"] == pytest.approx((2 / 2) ** 0.5 / 2) and se["stderr_prompts"] == pytest.approx(2 ** 0.5 / 2 ** 0.5)

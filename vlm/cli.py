@@ -18,6 +18,13 @@ def _split_recipe(items: list[str]) -> tuple[str | None, list[str]]:
     return recipe, items
 
 
+def export_vlm_checkpoint(ckpt, to: str, fmt: str, *, weights: str, force: bool) -> dict:
+    """`spotlight export` of a VLM checkpoint (vlm/export.py)."""
+    from vlm.export import export_vlm
+
+    return export_vlm(ckpt, to, fmt, weights=weights, force=force)
+
+
 def recipe_kinds() -> list[tuple[type, str]]:
     """The VLM config classes with the command each is for (`config_io.check_recipe_kind`)."""
     from vlm.config import VLMRecipe, WarmStartRecipe
