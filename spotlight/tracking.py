@@ -116,7 +116,7 @@ def save_image_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int, ca
         path.parent.mkdir(parents=True, exist_ok=True)
         grid.save(path)
     except OSError as err:
-        raise ValueError(f"cannot write the image {path} ({err.strerror or err}); choose a writable path") from None
+        raise ValueError(f"cannot write the image {path} ({err.strerror or err}: {err.filename}); choose a writable path") from None
     except ValueError as err:  # PIL: no format for that suffix
         raise ValueError(f"cannot write the image {path}: {err}; give a .png path") from None
     return path
