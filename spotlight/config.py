@@ -414,8 +414,8 @@ class DiTRecipe:
             prompt_family(self.explore.planner_family)
         except ValueError as e:
             raise ValueError(f"explore.planner_family: {e}") from None
-        if not self.train.lr > 0:
-            raise ValueError(f"train.lr must be > 0, got {self.train.lr}")
+        if not self.train.lr >= 0:  # 0 freezes the weights (a diagnostic: stale equals fresh)
+            raise ValueError(f"train.lr must be >= 0, got {self.train.lr}")
         if self.train.weight_decay < 0:
             raise ValueError(f"train.weight_decay must be >= 0, got {self.train.weight_decay}")
         for name in ("num_iterations", "prompts_per_iteration", "minibatch_size"):

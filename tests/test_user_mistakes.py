@@ -91,7 +91,7 @@ CASES: list[tuple[str, Callable[[Scene], list[str]], str]] = [
     ("binary recipe", lambda s: ["train", str(s.file("bin.yaml", BINARY))], "bin.yaml: not a text file"),
     ("missing recipe", lambda s: ["train", str(s.root / "nope.yaml")], "nope.yaml' not found"),
     ("unknown field", lambda s: ["train", "train.lrr=1"], "did you mean 'train.lr'"),
-    ("negative lr", lambda s: new_run(s, "train.lr=-1"), "train.lr must be > 0"),
+    ("negative lr", lambda s: new_run(s, "train.lr=-1"), "train.lr must be >= 0"),
     ("zero iterations", lambda s: new_run(s, "train.num_iterations=0"), "train.num_iterations must be >= 1"),
     ("missing model path", lambda s: new_run(s, f"model.path={s.root / 'no-model'}"), "model.path"),
     ("VLM recipe to DiT train", lambda s: ["train", "configs/vlm/tiny-count.yaml"], "is a recipe for `spotlight vlm train`"),

@@ -264,8 +264,8 @@ class VLMRecipe:
     def validate(self) -> None:
         if self.rollout.group_size < 2:
             raise ValueError(f"rollout.group_size must be >= 2 for GRPO, got {self.rollout.group_size}")
-        if not self.train.lr > 0:
-            raise ValueError(f"train.lr must be > 0, got {self.train.lr}")
+        if not self.train.lr >= 0:  # 0 freezes the weights (a diagnostic: stale equals fresh)
+            raise ValueError(f"train.lr must be >= 0, got {self.train.lr}")
         for name in ("num_iterations", "prompts_per_iteration"):
             if getattr(self.train, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self.train, name)}")
