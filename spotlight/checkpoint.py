@@ -354,7 +354,7 @@ DAMAGED_DIR = "damaged"
 def newest_intact_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
     """The newest checkpoint of `run_dir` that verifies, loaded; None when the run has none.
 
-    The step dir `checkpoints/latest` names is tried first, then the others from the newest down. A
+    The step dir `find_latest_checkpoint` picks is tried first, then the others from the newest down. A
     damaged one (truncated, flipped bytes, a cut or missing manifest) is moved to
     `checkpoints/damaged/` with a warning naming it and why, never deleted, and `latest` then names
     the checkpoint resumed from. A run thus resumes from an older intact checkpoint (its metrics

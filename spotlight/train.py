@@ -139,10 +139,10 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
         if rt is not None:
             rt.close()
         dp.close()
+        if created and dp.is_main:
+            remove_if_empty_run(run_dir)  # while the lock is held: no other trainer can have started there
         if lock is not None:
             lock.release()
-        if created and dp.is_main:
-            remove_if_empty_run(run_dir)
 
 
 def _train(

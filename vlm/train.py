@@ -360,10 +360,10 @@ def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, pr
         return result
     finally:
         dp.close()
+        if created and dp.is_main:
+            remove_if_empty_run(run_dir)  # while the lock is held: no other trainer can have started there
         if lock is not None:
             lock.release()
-        if created and dp.is_main:
-            remove_if_empty_run(run_dir)
 
 
 def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger | None, *, resume: bool, progress: bool) -> dict:
