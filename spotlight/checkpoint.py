@@ -414,6 +414,15 @@ def _set_aside(step_dir: Path) -> Path:
     return dest
 
 
+def pick_weights(ckpt: Checkpoint, weights: str) -> tuple[dict, str]:
+    """The checkpoint's raw or moving-average weights (`--weights raw|ema|auto`; auto: the average
+    where saved) and which it took, "raw" or "ema"."""
+    which = "ema" if weights == "ema" or (weights == "auto" and "ema" in ckpt.tensors) else "raw"
+    if which == "ema" and "ema" not in ckpt.tensors:
+        raise ValueError(f"--weights ema: {ckpt.path} has no moving average (train with train.ema_decay > 0); use --weights raw")
+    return ckpt.tensors["ema" if which == "ema" else "trainable"], which
+
+
 def checkpoint_kind(ckpt: Checkpoint) -> str:
     """"dit" or "vlm": which trainer saved `ckpt` (its meta's "kind", else its config's sections);
     "" when neither tells."""

@@ -45,13 +45,11 @@ def _split_recipe(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 def _load(cls, command: str, args: argparse.Namespace):
     """`cls` from the command's recipe and overrides; a recipe of another kind (a VLM recipe given
     to `spotlight train`) is refused with the command it is for."""
-    from spotlight.config import DiTRecipe, PretrainConfig
     from spotlight.config_io import check_recipe_kind, load_config
     from vlm.cli import recipe_kinds
 
     recipe, overrides = _split_recipe(args)
-    kinds = [(DiTRecipe, "spotlight train"), (PretrainConfig, "spotlight pretrain"), *recipe_kinds()]
-    check_recipe_kind(recipe, cls, command, [(k, c) for k, c in kinds if k is not cls])
+    check_recipe_kind(recipe, cls, command, [(k, c) for k, c in recipe_kinds() if k is not cls])
     return load_config(cls, recipe, overrides), recipe
 
 
@@ -67,22 +65,20 @@ def _policy_with_checkpoint(cfg, checkpoint: str | None, weights: str = "auto"):
     weights: "ema" (the moving average a run with train.ema_decay saves), "raw" (the trained weights)
     or "auto" (the moving average where the checkpoint has one). Returns (policy, checkpoint, which).
     """
-    from spotlight.checkpoint import expect_kind, load_checkpoint
+    from spotlight.checkpoint import expect_kind, load_checkpoint, pick_weights
     from spotlight.policy import load_policy, load_trainable_state
 
     if checkpoint is None:
         return load_policy(cfg.model, trainable=False), None, "base"
     ckpt = load_checkpoint(checkpoint)
     expect_kind(ckpt, "dit")
-    which = "ema" if weights == "ema" or (weights == "auto" and "ema" in ckpt.tensors) else "raw"
-    if which == "ema" and "ema" not in ckpt.tensors:
-        raise ValueError(f"--weights ema: {ckpt.path} has no moving average (train with train.ema_decay > 0); use --weights raw")
+    state, which = pick_weights(ckpt, weights)
     # The adapter shape comes from the checkpoint, not from the (possibly different) recipe.
     cfg.model.lora_rank = int(ckpt.meta.get("lora_rank", 0))
     cfg.model.lora_alpha = float(ckpt.meta.get("lora_alpha", 0.0))
     policy = load_policy(cfg.model, trainable=False)
     try:
-        load_trainable_state(policy, ckpt.tensors["ema" if which == "ema" else "trainable"])
+        load_trainable_state(policy, state)
     except RuntimeError as err:  # torch's key and shape listing runs to kilobytes: its first line names the problem
         first = str(err).strip().splitlines()[0]
         raise ValueError(f"{ckpt.path} does not fit the model at model.path={cfg.model.path or '(default)'}: {first}; give the recipe it was trained with") from None

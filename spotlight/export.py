@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from spotlight.checkpoint import Checkpoint
+from spotlight.checkpoint import Checkpoint, pick_weights
 
 DIT_FORMATS = ("diffusers-lora", "diffusers")
 
@@ -40,14 +40,6 @@ def prepare_out(out: str | Path, force: bool) -> Path:
         out.unlink()
     out.mkdir(parents=True)
     return out
-
-
-def pick_weights(ckpt: Checkpoint, weights: str) -> tuple[dict, str]:
-    """The checkpoint's raw or moving-average weights (`auto`: the average where saved)."""
-    which = "ema" if weights == "ema" or (weights == "auto" and "ema" in ckpt.tensors) else "raw"
-    if which == "ema" and "ema" not in ckpt.tensors:
-        raise ValueError(f"--weights ema: {ckpt.path} has no moving average (train with train.ema_decay > 0); use --weights raw")
-    return ckpt.tensors["ema" if which == "ema" else "trainable"], which
 
 
 def rebuild_policy(ckpt: Checkpoint, recipe_cls, load_policy, load_trainable_state, weights: str, **model_fields):

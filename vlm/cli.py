@@ -26,18 +26,20 @@ def export_vlm_checkpoint(ckpt, to: str, fmt: str, *, weights: str, force: bool)
 
 
 def recipe_kinds() -> list[tuple[type, str]]:
-    """The VLM config classes with the command each is for (`config_io.check_recipe_kind`)."""
+    """Every recipe class with the command it is for (`config_io.check_recipe_kind`); here, not in
+    spotlight/, because spotlight/ may not import vlm/ (tests/test_layers.py)."""
+    from spotlight.config import DiTRecipe, PretrainConfig
     from vlm.config import VLMRecipe, WarmStartRecipe
 
-    return [(VLMRecipe, "spotlight vlm train"), (WarmStartRecipe, "spotlight vlm warmstart")]
+    return [(DiTRecipe, "spotlight train"), (PretrainConfig, "spotlight pretrain"),
+            (VLMRecipe, "spotlight vlm train"), (WarmStartRecipe, "spotlight vlm warmstart")]  # fmt: skip
 
 
 def _load(cls, args: argparse.Namespace):
-    from spotlight.config import DiTRecipe, PretrainConfig
     from spotlight.config_io import check_recipe_kind, load_config
 
     recipe, overrides = _split_recipe(args.items)
-    kinds = [*recipe_kinds(), (DiTRecipe, "spotlight train"), (PretrainConfig, "spotlight pretrain")]
+    kinds = recipe_kinds()
     check_recipe_kind(recipe, cls, next(c for k, c in kinds if k is cls), [(k, c) for k, c in kinds if k is not cls])
     return load_config(cls, recipe, overrides)
 
