@@ -55,6 +55,13 @@ when it cannot run here; `check_s` is the check's own wall time):
 - `xfuser`: xDiT's USP attention (`xfuser.model_executor.layers.usp.USP`) over the SP group of
   min(2, GPUs) processes against full attention, at the model's attention shape; import and
   set-up errors are recorded verbatim with the step that raised them.
+- `sp_backend_xfuser`: `parallel.sp_backend=xfuser` as the workers run it: our Ulysses processor
+  with xDiT's USP core (spotlight/parallel/xfuser_usp.py) bound to an NCCL world of min(2, GPUs)
+  processes, against our backend on the same world and the stock forward, bf16 and fp32:
+  `max_abs_err_vs_ours_*` (~0 expected: same math, same SDPA kernel), `max_abs_err_vs_stock_*`,
+  bf16 `forward_ms` of both, `bind_ms` (xfuser's groups and runtime state built for the world: what
+  each group re-formation costs on top of ours) and, at degree 1, the unbound path
+  (`unbound_max_abs_err_vs_ours_*`, no process group, as a worker alone runs).
 - `bf16_vs_fp32`: one transformer forward in fp32 and the same weights cast to bf16: max and mean
   absolute difference against the fp32 output's scale.
 `peak_gib` fields are torch.cuda.max_memory_allocated in GiB after a reset at the check's start
@@ -96,7 +103,7 @@ PROMPTS = [
 NO_CUDA = {"skipped": "no CUDA device"}
 CHECKS = (
     "sampling", "train_step", "train_step_gc", "ulysses_degree1", "bf16_vs_fp32",
-    "ulysses_multiproc", "diffusers_cp", "xfuser",
+    "ulysses_multiproc", "diffusers_cp", "xfuser", "sp_backend_xfuser",
 )  # fmt: skip
 
 
@@ -562,6 +569,8 @@ def _worker(rank: int, spec: dict) -> None:
         init = f"tcp://127.0.0.1:{spec['port']}"
         if spec["kind"] == "xfuser":
             out = _xfuser_worker(rank, world, init, shape, device)
+        elif spec["kind"] == "sp_backend_xfuser":
+            out = _sp_backend_xfuser_worker(rank, world, init, folder, shape, device)
         else:
             _quiet()
             step = "init_process_group"
@@ -668,6 +677,74 @@ def _xfuser_worker(rank: int, world: int, init: str, shape: Shape, device: torch
     return out
 
 
+def _sp_backend_xfuser_worker(rank: int, world: int, init: str, folder: Path, shape: Shape, device: torch.device) -> dict:
+    """`parallel.sp_backend=xfuser` against ours on one NCCL world of `world` ranks; errors name their step."""
+    import torch.distributed as dist
+
+    from spotlight.parallel import SPContext, install_ulysses, ulysses_forward
+
+    out: dict = {"degree": world}
+    step = "init_process_group"
+    try:
+        _quiet()
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+        step = "build model"
+        model = build_transformer(folder, device, torch.bfloat16)
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+        inputs = {dt: forward_inputs(shape, device, dt) for dt in (torch.bfloat16, torch.float32)}
+        clock = Clock(device)
+        ours_ctx = SPContext()
+        step = "xfuser import (SPContext(backend='xfuser'))"
+        xf_ctx = SPContext(backend="xfuser")
+        out["version"] = xf_ctx.xfuser.x.version
+        for dt, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            model.to(dt)
+            x = inputs[dt]
+            step = f"stock forward {tag}"
+            ref = stock_forward(model, x).float()
+            step = f"ours {tag}"
+            install_ulysses(model, ours_ctx).set_group(dist.group.WORLD)
+            ulysses_forward(model, ours_ctx, **x)  # warm-up
+            t0 = clock.now()
+            ours = ulysses_forward(model, ours_ctx, **x).float()
+            t_ours = clock.now() - t0
+            step = f"xfuser bind {tag}"
+            install_ulysses(model, xf_ctx)
+            t0 = clock.now()
+            xf_ctx.set_group(dist.group.WORLD)
+            bind_s = clock.now() - t0
+            step = f"xfuser forward {tag}"
+            ulysses_forward(model, xf_ctx, **x)  # warm-up
+            t0 = clock.now()
+            got = ulysses_forward(model, xf_ctx, **x).float()
+            t_xf = clock.now() - t0
+            out.update({
+                f"max_abs_err_vs_ours_{tag}": _r((got - ours).abs().max().item()),
+                f"max_abs_err_vs_stock_{tag}": _r((got - ref).abs().max().item()),
+                f"ours_max_abs_err_vs_stock_{tag}": _r((ours - ref).abs().max().item()),
+                f"ref_max_abs_{tag}": _r(ref.abs().max().item()),
+            })  # fmt: skip
+            if tag == "bf16":
+                out.update(forward_ms=_r(1e3 * t_xf), ours_forward_ms=_r(1e3 * t_ours), bind_ms=_r(1e3 * bind_s))
+            step = f"xfuser release {tag}"
+            xf_ctx.set_group(None)
+            if world == 1:
+                step = f"xfuser unbound forward {tag}"
+                got = ulysses_forward(model, xf_ctx, **x).float()
+                out[f"unbound_max_abs_err_vs_ours_{tag}"] = _r((got - ours).abs().max().item())
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - recorded verbatim
+        out.update(error=f"{step}: {type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-1500:])
+    return out
+
+
+def check_sp_backend_xfuser(run: Run) -> dict:
+    if not run.cuda:
+        return dict(NO_CUDA)
+    return spawn_check("sp_backend_xfuser", min(2, run.gpus), run)
+
+
 def check_ulysses_multiproc(run: Run) -> dict:
     if run.cuda and run.gpus < 2:
         return {"skipped": f"needs 2 GPUs (found {run.gpus}): NCCL cannot place two ranks on one device"}
@@ -742,6 +819,7 @@ def main(argv: list[str] | None = None) -> dict:
             "ulysses_multiproc": lambda: check_ulysses_multiproc(run),
             "diffusers_cp": lambda: check_diffusers_cp(run),
             "xfuser": lambda: check_xfuser(run),
+            "sp_backend_xfuser": lambda: check_sp_backend_xfuser(run),
         }
         for name in CHECKS:
             if name == "ulysses_degree1":

@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 from spotlight.checkpoint import find_latest_checkpoint  # noqa: E402
 from spotlight.config import PretrainConfig  # noqa: E402
 from spotlight.config_io import load_config  # noqa: E402
+from spotlight.pretrain import pretrain_prompts  # noqa: E402
 from spotlight.rewards import shapes  # noqa: E402
 from spotlight.tracking import read_metrics  # noqa: E402
 
@@ -67,7 +68,7 @@ def evaluate(split: int, checkpoint: Path | None, extra: list[str]) -> dict:
 
 def seen_by_base(split: int, num_heldout: int) -> float:
     pre = load_config(PretrainConfig, REPO / "configs/dit/tiny-pretrain.yaml")
-    pretrain_captions = set(shapes.split_prompts(pre.split_seed, pre.num_heldout)[0])
+    pretrain_captions = set(pretrain_prompts(pre))
     heldout = shapes.split_prompts(split, num_heldout)[1]
     return round(sum(p in pretrain_captions for p in heldout) / len(heldout), 3)
 

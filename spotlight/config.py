@@ -189,6 +189,8 @@ class TrainConfig:
     """Training time budget: stop before an iteration predicted (the slowest of the last 5) to end after it; 0 = no limit."""
     num_threads: int = 0
     """torch CPU threads; 0 keeps torch's default."""
+    prefetch_prompts: bool = True
+    """Encode the next iteration's prompts on a worker thread (a side CUDA stream on a GPU) while this iteration's rollout and update run; the same embeddings bit for bit, the encoder's time off the critical path (spotlight/prompt_cache.py; benchmarks/dit_prompt_prefix.py --prefetch measures it)."""
 
 
 @dataclass
@@ -354,10 +356,20 @@ class ParallelConfig:
 
     sp_degree: int = 1
     """Sequence-parallel degree: workers form groups of this many (Ulysses attention over the image tokens; it must divide the attention heads), which re-form from the state on the nodes after a preemption (runtime.rollouts=cluster and exploration)."""
+    sp_backend: Literal["ours", "xfuser"] = "ours"
+    """Attention core of the workers' sequence-parallel forward: "ours" (spotlight/parallel/ulysses.py, any device) or "xfuser" (the same processor with xDiT's USP all-to-all and SDPA kernel; CUDA only, needs the gpu extra; what xDiT does and does not cover for Qwen-Image: docs/architecture.md)."""
 
     def validate(self) -> None:
         if self.sp_degree < 1:
             raise ValueError(f"parallel.sp_degree must be >= 1, got {self.sp_degree}")
+
+    def check_device(self, device: str) -> None:
+        """Raise ValueError, naming parallel.sp_backend, when the backend cannot run on `device` (model.device)."""
+        if self.sp_backend == "xfuser" and not device.startswith("cuda"):
+            raise ValueError(
+                f"parallel.sp_backend=xfuser runs on CUDA only (xDiT needs a CUDA build of torch), but model.device is "
+                f"{device!r}: set parallel.sp_backend=ours"
+            )
 
 
 @dataclass
@@ -392,6 +404,7 @@ class DiTRecipe:
     def validate(self) -> None:
         self.runtime.validate()
         self.parallel.validate()
+        self.parallel.check_device(self.model.device)  # a recipe that names xfuser on CPU fails as it loads
         if self.train.group_size < 2:
             raise ValueError(f"train.group_size must be >= 2 for GRPO, got {self.train.group_size}")
         if self.explore.max_candidates and self.explore.max_candidates <= self.train.group_size:
@@ -495,6 +508,8 @@ class PretrainConfig:
     """Held-out prompts excluded from pretraining (the same split as the GRPO recipe's)."""
     split_seed: int = 0
     """Seed of the train / held-out split."""
+    also_hold_out_splits: tuple[int, ...] = ()
+    """Further split seeds whose held-out prompts pretraining leaves out too: a base for cross-validating a recipe over several `data.split_seed`s (docs/tiny-recipe-notes.md, "Seventeenth session")."""
     seed: int = 0
     """Data seed."""
     max_minutes: float = 0.0

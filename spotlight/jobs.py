@@ -28,7 +28,7 @@ outputs back into one `Rollout`, with NaN where a latent was not kept.
 
 With a sequence-parallel group (`set_group`), the transformer's forwards run through Ulysses
 attention (`spotlight.parallel`): every member computes L / degree image tokens of every step and
-holds the same state.
+holds the same state. `parallel.sp_backend` picks its attention core (ours, or xDiT's USP on CUDA).
 """
 
 from __future__ import annotations
@@ -136,19 +136,22 @@ class DiTRunner(JobRunner):
     """
 
     def __init__(self, cfg: DiTRecipe):
-        from spotlight.parallel import install_ulysses
+        from spotlight.parallel import SPContext, install_ulysses
         from spotlight.policy import load_policy
         from spotlight.sampling import qwen_image_sigmas
 
         _quiet_libraries()
         self.cfg = cfg
+        # The attention core first (parallel.sp_backend): a backend that cannot run here fails before the model loads.
+        cfg.parallel.check_device(cfg.model.device)
+        ctx = SPContext(backend=cfg.parallel.sp_backend)
         self.policy = load_policy(cfg.model, trainable=False)
         self.sigmas = qwen_image_sigmas(cfg.sample.num_steps, self.policy.latent_shape[0])
         # Cheap exploration (explore.num_steps): the same seeded initial noise, integrated in fewer
         # ODE steps; the stale score then approximates the full-step sample's.
         self.explore_sigmas = qwen_image_sigmas(cfg.explore.num_steps or cfg.sample.num_steps, self.policy.latent_shape[0])
         self.autocast = AUTOCAST_DTYPES[resolve_autocast(cfg.sample.autocast, self.policy.device, cfg.train.objective)]
-        self.ctx = install_ulysses(self.policy.transformer)
+        self.ctx = install_ulysses(self.policy.transformer, ctx)
         self.num_heads = self.ctx.num_heads
         self._forward = self.policy  # what `guided_velocity` calls `velocity` on
         self._reward_fn = None

@@ -53,9 +53,10 @@ class DiTPolicy:
             raise ValueError(f"model.height/width ({height}x{width}) must be multiples of {2 * down} for this model")
         self.latent_h, self.latent_w = height // down, width // down
         self._drop_idx = len(tokenizer(PROMPT_TEMPLATE.split("{}")[0]).input_ids)
-        self.prompt_cache = PromptCache(self._encode_uncached, self._encoder_fingerprint)
+        self.prompt_cache = PromptCache(self._encode_uncached, self._encoder_fingerprint, self._encoder_device)
         """Prompt embeddings of the current training step (`prompt_cache.py`); the driver opens and
-        closes the step. `benchmarks/dit_prompt_prefix.py` swaps in `UncachedPrompts`."""
+        closes the step and has the next step's prompts prefetched. `benchmarks/dit_prompt_prefix.py`
+        swaps in `UncachedPrompts`."""
 
     @classmethod
     def load(
@@ -117,6 +118,9 @@ class DiTPolicy:
         # Right padding: the valid tokens of each row come first. A copy per prompt, so that a held
         # embedding does not keep the whole batch's hidden states alive.
         return [hidden_BTD[i, self._drop_idx : n].to("cpu", torch.float32, copy=True) for i, n in enumerate(lengths)]
+
+    def _encoder_device(self) -> torch.device:
+        return next(self.text_encoder.parameters()).device
 
     def _encoder_fingerprint(self) -> tuple:
         """Changes whenever the text encoder's weights do (replaced, trained, or loaded in place)."""

@@ -63,10 +63,20 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, *, progress: bool = True,
         return _pretrain(cfg, out_dir, progress)
 
 
+def pretrain_prompts(cfg: PretrainConfig) -> list[str]:
+    """The grammar prompts pretraining draws captions from: all but the held-out prompts of
+    `split_seed` and of every seed in `also_hold_out_splits`."""
+    train, heldout = shapes.split_prompts(cfg.split_seed, cfg.num_heldout)
+    left_out = set(heldout)
+    for seed in cfg.also_hold_out_splits:
+        left_out.update(shapes.split_prompts(seed, cfg.num_heldout)[1])
+    return [p for p in train if p not in left_out]
+
+
 def _pretrain(cfg: PretrainConfig, out_dir: Path, progress: bool) -> dict:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    train_prompts, _ = shapes.split_prompts(cfg.split_seed, cfg.num_heldout)
+    train_prompts = pretrain_prompts(cfg)
     work = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     build_tiny_model(work, cfg.model, shapes.all_prompts())

@@ -314,6 +314,7 @@ class RuntimeExplorers:
 def start_runtime(cfg: DiTRecipe, run_dir: str | Path) -> SpotRuntime:
     """Start (or join) the recipe's cluster, its workers and the runtime; `close` undoes all of it."""
     r = cfg.runtime
+    cfg.parallel.check_device(cfg.model.device)  # before a cluster starts or a worker loads a model
     ray = import_ray_on_loopback() if not r.ray_address else __import__("ray")
     from spot.cluster import children_on, pin_process, split_cpus
     from spot.pool import WorkerPool

@@ -269,7 +269,9 @@ def _train(
     cooling = cfg.train.lr_cooldown > 0 and cfg.train.max_minutes > 0
     columns = [TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
     tracking = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) if dp.is_main else nullcontext()
-    with tracking as tracker, Progress(*columns, console=console) as bar:
+    # prefetch_scope: a prefetch still under way when the loop ends (a stop before the last
+    # iteration, an exception) is waited for and dropped, and its worker thread stopped.
+    with tracking as tracker, Progress(*columns, console=console) as bar, policy.prompt_cache.prefetch_scope():
         task = bar.add_task("", total=cfg.train.num_iterations, completed=start_iter)
         if rt is not None:
             rt.start_trace()  # a replayed trace's clock runs from the first iteration on
@@ -295,7 +297,10 @@ def _train(
             t_ro = time.monotonic()
             # The step's prompts are encoded once here and held until the update is done: the
             # rollout and the update (all G samples, every minibatch) read them (prompt_cache.py).
-            policy.prompt_cache.begin_step(prompts[lo:hi])
+            # With train.prefetch_prompts they were encoded during the previous step, and this
+            # rank's slice of the next step's prompts is encoded during this one.
+            prefetch = nxt[0][lo:hi] if nxt is not None and cfg.train.prefetch_prompts else None
+            policy.prompt_cache.begin_step(prompts[lo:hi], next_prompts=prefetch)
             if cfg.runtime.rollouts == "cluster":
                 # Jobs on the pull queue, weights version it (θ_k); the same bits as the local rollout.
                 ro = rt.rollout(it, LocalWeightsSource(policy), prompts, seeds, sde_steps, sigmas)

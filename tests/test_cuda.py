@@ -138,3 +138,29 @@ def test_vlm_grpo_steps_on_cuda(base, tmp_path):  # noqa: F811 (the fixture impo
     start = dict(VLMPolicy.load(base).model.named_parameters())
     assert any(not torch.equal(v, start[n]) for n, v in trained.items())
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_prompt_prefetch_on_a_side_stream_gives_the_same_bits(tiny_model_dir):
+    """The next step's prompts encoded on the prompt cache's worker thread and side stream while the
+    driver's stream runs a rollout: the embeddings the driver's own encode of that batch gives, and
+    the same rollout as without the prefetch (spotlight/prompt_cache.py, "Prefetch")."""
+    cfg = _cfg(tiny_model_dir)
+    policy = _policy(cfg, "cuda")
+    cache = policy.prompt_cache
+    nxt = ["three green triangles", "two blue squares", "two blue squares", "one red circle"]
+    reference = policy._encode_uncached(sorted(set(nxt)))
+    sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
+    with cache.step(PROMPTS):
+        alone = rollout(policy, PROMPTS, list(range(8)), sigmas, noise_level=1.2)
+    for _ in range(3):
+        cache.begin_step(PROMPTS, next_prompts=nxt)
+        assert len(cache._streams) == 1  # the prefetch runs on a side stream
+        overlapped = rollout(policy, PROMPTS, list(range(8)), sigmas, noise_level=1.2)
+        cache.end_step()
+        assert torch.equal(overlapped.images, alone.images)
+        assert torch.equal(overlapped.trajectory.latents, alone.trajectory.latents)
+        cache.begin_step(nxt)
+        held = cache.lookup(sorted(set(nxt)))
+        assert cache.end_step().prefetched
+        assert all(torch.equal(a, b) for a, b in zip(held, reference, strict=True))
+    cache.close()

@@ -19,7 +19,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CHECKS = ["sampling", "train_step", "train_step_gc", "ulysses_degree1", "bf16_vs_fp32", "ulysses_multiproc"]
-GPU_ONLY = ["diffusers_cp", "xfuser"]
+GPU_ONLY = ["diffusers_cp", "xfuser", "sp_backend_xfuser"]
 FIELDS = {"env", "config", "wall_s", *CPU_CHECKS, *GPU_ONLY}
 
 
@@ -84,4 +84,8 @@ def test_gpu_run(tmp_path):
         assert "error" not in r["ulysses_multiproc"], r["ulysses_multiproc"]
         assert r["ulysses_multiproc"]["max_abs_err_fp32"] <= 1e-4 * max(1.0, r["ulysses_multiproc"]["ref_max_abs"])
     # diffusers' CP and xfuser are optional backends: their figures or their errors, never missing.
-    assert r["diffusers_cp"] and r["xfuser"]
+    assert r["diffusers_cp"] and r["xfuser"] and r["sp_backend_xfuser"]
+    xf = r["sp_backend_xfuser"]
+    if "error" not in xf:  # parallel.sp_backend=xfuser: the same math as ours
+        assert xf["max_abs_err_vs_ours_fp32"] <= 1e-4 * max(1.0, xf["ref_max_abs_fp32"]), xf
+        assert xf["max_abs_err_vs_ours_bf16"] <= 2e-2 * xf["ref_max_abs_bf16"], xf

@@ -28,6 +28,11 @@ Choices (the Qwen-Image specifics, ours to make):
 Forward only (rollouts, exploration): the collectives are not differentiable, so `ulysses_forward`
 runs under `torch.no_grad`.
 
+Two attention cores (`parallel.sp_backend`, chosen per `SPContext`): "ours" is the all-to-all pair
+below around diffusers' `dispatch_attention_fn`; "xfuser" hands the same q/k/v and key mask to xDiT's
+USP attention (`spotlight.parallel.xfuser_usp`, CUDA only). Everything else in the processor is
+shared, so the two differ only in how heads and sequence are exchanged and in the attention kernel.
+
 Shape legend: B batch, T text tokens, L image tokens, P padded image tokens (n * S), S image tokens
 on this rank, H heads, h = H / n heads per rank, E head dim, n degree, C channels.
 """
@@ -44,16 +49,32 @@ from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
 
+SP_BACKENDS = ("ours", "xfuser")
+"""Attention cores of the sequence-parallel forward (`parallel.sp_backend`)."""
+
+
 class SPContext:
     """The sequence-parallel group that Ulysses processors read at call time (replaceable).
 
     Args:
         num_heads: attention heads of the model, checked against each group's size; None skips the
             early check (the processor still checks at call time).
+        backend: the attention core, one of `SP_BACKENDS` (`parallel.sp_backend`): "ours", or
+            "xfuser" (imports xfuser here, so a missing or unusable install fails before a model
+            loads when the context is made first; CUDA only).
     """
 
-    def __init__(self, num_heads: int | None = None):
+    def __init__(self, num_heads: int | None = None, backend: str = "ours"):
+        if backend not in SP_BACKENDS:
+            raise ValueError(f"unknown sequence-parallel backend {backend!r}; choose one of {', '.join(SP_BACKENDS)}")
         self.num_heads = num_heads
+        self.backend = backend
+        self.xfuser = None
+        """The xfuser attention core (`xfuser_usp.XfuserUSP`) with backend "xfuser", else None."""
+        if backend == "xfuser":
+            from spotlight.parallel.xfuser_usp import XfuserUSP
+
+            self.xfuser = XfuserUSP()
         self._group: dist.ProcessGroup | None = None
         self._degree = 1
         self._rank = 0
@@ -82,12 +103,21 @@ class SPContext:
         """
         if group is None:
             self._group, self._degree, self._rank = None, 1, 0
+            if self.xfuser is not None:
+                self.xfuser.bind(None)
             return
         if group == dist.GroupMember.NON_GROUP_MEMBER:
             raise ValueError("this process is not a member of the group given to SPContext.set_group")
         degree = dist.get_world_size(group)
         if self.num_heads is not None:
             check_heads(self.num_heads, degree)
+        if self.xfuser is not None:
+            try:
+                self.xfuser.bind(group)  # a group it refuses leaves both as they were
+            except BaseException:
+                if self.xfuser.degree is None:  # it failed half-way and unbound: so is the context
+                    self._group, self._degree, self._rank = None, 1, 0
+                raise
         self._group, self._degree, self._rank = group, degree, dist.get_rank(group)
 
 
@@ -192,10 +222,9 @@ class UlyssesAttnProcessor:
             raise ValueError("UlyssesAttnProcessor needs encoder_hidden_states and image_rotary_emb (Qwen-Image blocks)")
         if attention_mask is not None:
             raise ValueError("UlyssesAttnProcessor builds the joint mask from encoder_hidden_states_mask; pass that")
-        degree, rank, group = self.ctx.degree, self.ctx.rank, self.ctx.group
+        degree, rank = self.ctx.degree, self.ctx.rank
         check_heads(attn.heads, degree)
         head_dim = attn.inner_dim // attn.heads
-        local_heads = attn.heads // degree
         batch, local_len = hidden_states.shape[:2]
         txt_len = encoder_hidden_states.shape[1]
         img_freqs_LF, txt_freqs_TF = image_rotary_emb
@@ -227,14 +256,31 @@ class UlyssesAttnProcessor:
         txt_q = apply_rotary_emb_qwen(txt_q, txt_freqs_TF, use_real=False)
         txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs_TF, use_real=False)
 
+        # Keys are [text, padded image]: the mask drops padded prompt tokens and the image padding.
+        mask = joint_mask(encoder_hidden_states_mask, batch, txt_len, degree * local_len, valid_len, hidden_states.device)
+        if self.ctx.xfuser is not None:
+            txt_out, img_out = self.ctx.xfuser.attend(txt_q, txt_k, txt_v, img_q, img_k, img_v, mask, degree)
+        else:
+            txt_out, img_out = self._attend(txt_q, txt_k, txt_v, img_q, img_k, img_v, mask)
+
+        img_out = attn.to_out[0](img_out.flatten(2, 3).contiguous())
+        if len(attn.to_out) > 1:
+            img_out = attn.to_out[1](img_out)  # dropout
+        txt_out = attn.to_add_out(txt_out.flatten(2, 3).contiguous())
+        return img_out, txt_out
+
+    def _attend(
+        self, txt_q, txt_k, txt_v, img_q, img_k, img_v, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Our core: text (B, T, H, E) and image slice (B, S, H, E) q/k/v -> text and image outputs, same shapes."""
+        degree, rank, group = self.ctx.degree, self.ctx.rank, self.ctx.group
+        txt_len = txt_q.shape[1]
         if degree > 1:
+            local_heads = txt_q.shape[2] // degree
             img_q, img_k, img_v = seq_to_heads(torch.stack([img_q, img_k, img_v]), group, degree).unbind(0)
             # Text is replicated: keep our heads, no communication.
             own = slice(rank * local_heads, (rank + 1) * local_heads)
             txt_q, txt_k, txt_v = txt_q[:, :, own], txt_k[:, :, own], txt_v[:, :, own]
-
-        padded_len = img_q.shape[1]
-        mask = joint_mask(encoder_hidden_states_mask, batch, txt_len, padded_len, valid_len, hidden_states.device)
         joint_q = torch.cat([txt_q, img_q], dim=1)
         out_BKhE = dispatch_attention_fn(
             joint_q,
@@ -248,12 +294,7 @@ class UlyssesAttnProcessor:
         txt_out, img_out = out_BKhE[:, :txt_len], out_BKhE[:, txt_len:]
         if degree > 1:
             img_out, txt_out = heads_to_seq(img_out, txt_out, group, degree)
-
-        img_out = attn.to_out[0](img_out.flatten(2, 3).contiguous())
-        if len(attn.to_out) > 1:
-            img_out = attn.to_out[1](img_out)  # dropout
-        txt_out = attn.to_add_out(txt_out.flatten(2, 3).contiguous())
-        return img_out, txt_out
+        return txt_out, img_out
 
 
 def _heads(x_BSD: torch.Tensor, head_dim: int) -> torch.Tensor:
