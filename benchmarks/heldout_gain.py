@@ -66,8 +66,8 @@ def evaluate(split: int, checkpoint: Path | None, extra: list[str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def seen_by_base(split: int, num_heldout: int) -> float:
-    pre = load_config(PretrainConfig, REPO / "configs/dit/tiny-pretrain.yaml")
+def seen_by_base(split: int, num_heldout: int, pretrain_config: Path) -> float:
+    pre = load_config(PretrainConfig, pretrain_config)
     pretrain_captions = set(pretrain_prompts(pre))
     heldout = shapes.split_prompts(split, num_heldout)[1]
     return round(sum(p in pretrain_captions for p in heldout) / len(heldout), 3)
@@ -78,6 +78,10 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "heldout-gain")
     parser.add_argument("--keep", action="store_true", help="reuse a split's finished run in --out")
+    parser.add_argument(
+        "--pretrain-config", type=Path, default=REPO / "configs/dit/tiny-pretrain.yaml",
+        help="the `spotlight pretrain` recipe that made the base (with model.path=..., the one that made that folder)",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="extra recipe overrides for train and eval (key=value)")
     args = parser.parse_args()
 
@@ -105,7 +109,7 @@ def main() -> None:
             "stderr_trained": round(trained["stderr"], 4),
             "iterations": metrics[-1]["step"] if metrics else 0,
             "train_minutes": round(metrics[-1].get("time/run_s", 0.0) / 60, 2) if metrics else 0.0,
-            "heldout_seen_by_base": seen_by_base(split, base["num_prompts"]),
+            "heldout_seen_by_base": seen_by_base(split, base["num_prompts"], args.pretrain_config),
             "eval_samples": trained["num_samples"],
         }
         print(f"split {split}: {json.dumps(row)}", file=sys.stderr)
