@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -395,7 +396,8 @@ def main() -> None:
         agreement = first_step_agreement(cfg, trainer)
         loop = make_loop(ours, times, phases, memory, warmup, mem_step)
         trainer.add_callback(loop)
-        trainer.train()
+        with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its run summary: stdout keeps one JSON line
+            trainer.train()
         permanent = {"trl": memory["trl_permanent"]}
         for name, o in ours.items():
             permanent[name] = state_bytes(o.policy.model, o.optimizer, o.reference.copy)
