@@ -1,12 +1,15 @@
-"""Pull vs push in the simulator, in exactly benchmarks/preemption_replay.py's setting, to set beside it.
+"""Pull vs push in the simulator, in benchmarks/preemption_replay.py's trace setting, to set beside it.
 
-The trace is fitted as preemption_replay.py fits it (same options, same defaults: rescaled to
-`--nodes`, the busiest `--window-s` stretch, compressed), the job count is sized the same way, and the
+The trace is fitted as preemption_replay.py fits it (same options; rescaled to `--nodes`, the
+busiest `--window-s` stretch, compressed), the job count is sized the same way, and the
 workers step at `--step-s / speed` plus the per-step overhead and start up / are declared dead as
 measured by benchmarks/calibrate_simulator.py on this machine (`--overhead-s`, `--startup-s`,
 `--detect-s`). `spot.sim.engine.Cluster` then runs the jobs through the real `JobQueue` under pull
-(with tail hand-off) and push (`PushScheduler`'s rules); each figure is the mean over
-`--sim-samples` step-jittered simulations. Prints one JSON line per trace:
+(with tail hand-off) and push (least-loaded at submission, as `spot.runtime`'s); each figure is the
+mean over `--sim-samples` step-jittered simulations. Unlike the replay, all jobs are submitted at
+once (no waves), the step time is this script's `--step-s` (the replay's default job is the
+paper-scale one, `--job`), the window is 2,400 s, and there is no Ray-retries baseline. Prints one
+JSON line per trace:
 
     {"trace": ..., "jobs": ..., "wall_s": {"pull": ..., "push": ...}, "throughput_ratio_pull_vs_push": ...,
      "empty_fraction": share of the window with no spot node up}

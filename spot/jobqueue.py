@@ -220,6 +220,20 @@ class _LeaseState:
     """When the lease was granted (the queue's clock)."""
 
 
+def least_loaded(loads: dict[str, int], n: int) -> list[str]:
+    """Assignees for `n` new jobs, each to the worker with the fewest unfinished jobs then (ties to
+    the first in `loads`' order), counting the ones assigned before it: a push scheduler's choice."""
+    loads = dict(loads)
+    if not loads:
+        raise ValueError("no workers to assign jobs to")
+    out = []
+    for _ in range(n):
+        worker = min(loads, key=loads.__getitem__)
+        loads[worker] += 1
+        out.append(worker)
+    return out
+
+
 class JobQueue:
     """Pending jobs, leases and committed states; the single source of truth (pure, no Ray).
 
@@ -295,11 +309,20 @@ class JobQueue:
         group whose rank 0 got the `WeightsUpdate`."""
         return self._weights.get(version)
 
+    def loads(self, workers: Sequence[str]) -> dict[str, int]:
+        """Unfinished jobs assigned to each of `workers` (push: a worker's backlog)."""
+        load = dict.fromkeys(workers, 0)
+        for e in self._entries.values():
+            if not e.done and e.assignee in load:
+                load[e.assignee] += 1
+        return load
+
     def reassign(self, from_worker: str, to_workers: Sequence[str]) -> list[int]:
-        """Re-push the unfinished jobs assigned to `from_worker`, round robin over `to_workers`."""
+        """Re-push the unfinished jobs assigned to `from_worker`, each to the least-loaded of
+        `to_workers` (`least_loaded`); they resume there from their last commit."""
         moved = [e.job.job_id for e in self._entries.values() if e.assignee == from_worker and not e.done]
-        for i, job_id in enumerate(moved):
-            self._entries[job_id].assignee = to_workers[i % len(to_workers)]
+        for job_id, worker in zip(moved, least_loaded(self.loads(to_workers), len(moved))):
+            self._entries[job_id].assignee = worker
         return moved
 
     def worker_lost(self, worker_id: str) -> list[int]:

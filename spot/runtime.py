@@ -14,11 +14,12 @@ commit; free workers form groups and start serving; fragments merge when workers
 group smaller than the free workers could make it is asked to commit and release its job, and all
 re-form together); new results are collected, each delivered once.
 
-Push baseline (`policy="push"`): jobs are assigned round robin, at submission, to the groups ready
-then; a group pulls only the jobs assigned to it. A lost group's unfinished jobs are re-pushed
-round robin to the groups ready at that moment (they resume from their last commit, as under
-pull). Push and pull share the lease, commit and resume machinery, so a throughput ratio between
-them measures who chooses the job, nothing else.
+Push baseline (`policy="push"`): each job is assigned at submission to the least-loaded group
+ready then (fewest unfinished jobs assigned, `jobqueue.least_loaded`); a group pulls only the jobs
+assigned to it. A lost group's unfinished jobs are re-pushed the same way to the groups ready at
+that moment (they resume from their last commit, as under pull). Groups that form later get the
+jobs submitted later (a training run's next batch). Push and pull share the lease, commit and
+resume machinery, so a throughput ratio between them measures who chooses the job, nothing else.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spot.jobqueue import Job, JobQueue, QueueStats, Result
+from spot.jobqueue import Job, JobQueue, QueueStats, Result, least_loaded
 from spot.localray import ON_DEMAND, SPOT, kill_actor
 from spot.pool import Group, GroupFormError, GroupOutcome, WorkerPool, plan_groups
 
@@ -91,7 +92,7 @@ class Runtime:
         tick_s: the loop period (membership, groups, results).
         handoff: let a free worker take a running job over from a slower one (the queue's tail
             hand-off; pull only).
-        policy: "pull", or "push" (the baseline: jobs assigned round robin at submission).
+        policy: "pull", or "push" (the baseline: each job assigned at submission to the least-loaded group).
         auto_form: form groups from free workers on every tick (False: the caller forms them).
         regroup: merge fragments when free workers could make a running group larger.
         membership_s: how often a tick looks at the cluster's nodes (`WorkerPool.maintain`).
@@ -184,7 +185,7 @@ class Runtime:
                 ready = [g.group_id for g in self.pool.running()]
                 if not ready:
                     raise ValueError("push needs running groups to assign jobs to; wait for workers first")
-                assignees = [ready[i % len(ready)] for i in range(len(jobs))]
+                assignees = least_loaded(self._ray.get(self.queue.loads.remote(ready)), len(jobs))
             self._ray.get(self.queue.submit.remote(jobs, assignees))
             self.num_jobs += len(jobs)
             if self._t0 is None:

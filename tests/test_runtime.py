@@ -25,7 +25,7 @@ from functools import partial
 import pytest
 import torch
 
-from spot.jobqueue import ACCEPTED, HANDOFF, IGNORED, STALE, STOP, WAIT, YIELD, Job, JobQueue, WeightsUpdate
+from spot.jobqueue import ACCEPTED, HANDOFF, IGNORED, STALE, STOP, WAIT, YIELD, Job, JobQueue, WeightsUpdate, least_loaded
 from spot.pool import WorkerPool
 from spot.replay import busiest_window, window
 from spot.runtime import Runtime
@@ -272,12 +272,22 @@ def test_push_assignment_and_repush():
     assert ls.job.job_id == 0
     q.commit(ls.lease_id, 3, latent(3))
     q.worker_lost("a")
+    assert q.loads(["a", "b", "c"]) == {"a": 2, "b": 2, "c": 0}
+    # Least loaded: b holds two unfinished jobs, c none, so both of a's go to c.
     assert sorted(q.reassign("a", ["b", "c"])) == [0, 2]
-    assert q.pull("c").job.job_id == 2
-    resumed = q.pull("b")  # job 0, first in line again, from its commit
+    assert q.loads(["b", "c"]) == {"b": 2, "c": 2}
+    resumed = q.pull("c")  # job 0, first in line again, from its commit
     assert resumed.job.job_id == 0 and resumed.step == 3
+    assert q.pull("b").job.job_id == 1
     with pytest.raises(ValueError, match="already submitted"):
         q.submit(make_jobs(1))
+
+
+def test_least_loaded_fills_the_emptiest_worker_first():
+    assert least_loaded({"a": 2, "b": 0, "c": 1}, 4) == ["b", "b", "c", "a"]
+    assert least_loaded({"a": 0, "b": 0}, 3) == ["a", "b", "a"]  # ties: round robin in order
+    with pytest.raises(ValueError, match="no workers"):
+        least_loaded({}, 1)
 
 
 def test_jobs_of_a_new_version_wait_for_its_weights_then_workers_update_through_the_queue():
@@ -681,7 +691,7 @@ def test_push_repushes_a_dead_workers_jobs(cluster, pool, reference):
     rt.close()
     check_exactly_once(report, jobs, reference)
     assert report.stats.revoked == 1
-    # Round robin gave the victim 3 jobs; it was killed in its first, so all three were re-pushed to
+    # Least loaded over idle groups (round robin) gave the victim 3 jobs; it was killed in its first, so all three were re-pushed to
     # the one other group running then (the victim's replacement was still loading).
     assert sorted(rt.repushed) == pushed_to_victim and len(pushed_to_victim) == 3
     assert group not in {r.worker_id for r in report.results}

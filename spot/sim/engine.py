@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spot.jobqueue import ACCEPTED, HANDOFF, STALE, STOP, WAIT, Job, JobQueue, Lease
+from spot.jobqueue import ACCEPTED, HANDOFF, STALE, STOP, WAIT, Job, JobQueue, Lease, least_loaded
 from spot.sim.profile import Profile
 from spot.traces import Trace
 
@@ -347,7 +347,7 @@ class Cluster:
             self._repush()
 
     def _repush(self) -> None:
-        """As `PushScheduler`: a lost worker's jobs go round robin to the workers ready now."""
+        """As the runtime's push: a lost worker's jobs go to the least-loaded workers ready now."""
         targets = [w.wid for w in self.live_workers() if w.spot in self._phase_pools and w.available_at <= self.loop.now]
         if self._orphaned and targets:
             for wid in self._orphaned:
@@ -405,8 +405,9 @@ class Cluster:
         delivered or `deadline` comes (the rest is cut). A worker takes only jobs of the weights
         version it holds (`Job.version`).
 
-        `scheduler="push"` is the `PushScheduler` baseline: jobs assigned round robin up front to
-        the workers ready at submission, a lost worker's jobs re-pushed to the workers ready then
+        `scheduler="push"` is the push baseline of `spot.runtime`: jobs assigned up front to the
+        least-loaded workers ready at submission (all idle: round robin), a lost worker's jobs
+        re-pushed to the least-loaded workers ready then
         (when none is, at the next worker that becomes ready), no hand-off.
         """
         if scheduler not in ("pull", "push"):
@@ -421,7 +422,7 @@ class Cluster:
             ready = [w.wid for w in self.live_workers() if w.spot in pools and w.available_at <= self.loop.now]
             if not ready:
                 raise ValueError("push needs ready workers at submission")
-            assignees = [ready[i % len(ready)] for i in range(len(jobs))]
+            assignees = least_loaded(dict.fromkeys(ready, 0), len(jobs))  # a fresh queue: round robin
         queue.submit(list(jobs), assignees)
         self._queue, self._phase_pools, self._phase_steps = queue, pools, num_steps
         cut_steps = 0
