@@ -233,15 +233,20 @@ def make_jobs(args, num_jobs: int, seed: int) -> list:
     ]
 
 
+def wave_size(args) -> int:
+    """Jobs per wave: `--wave-jobs`, or 16 per peak node."""
+    return args.wave_jobs or 16 * args.nodes
+
+
 def waves_of(jobs: list, args) -> list[list]:
-    """The jobs cut into waves of `--wave-jobs` (0: 16 per peak node)."""
-    n = args.wave_jobs or 16 * args.nodes
+    """The jobs cut into waves of `wave_size`."""
+    n = wave_size(args)
     return [jobs[i : i + n] for i in range(0, len(jobs), n)]
 
 
 def run(cluster, trace, speeds: list[float], num_jobs: int, args) -> dict:
     """Pull against `args.baseline` on the same jobs and replay, `args.repeats` alternating pairs."""
-    wave = args.wave_jobs or 16 * args.nodes
+    wave = wave_size(args)
     num_jobs = -(-num_jobs // wave) * wave  # whole waves
     jobs = make_jobs(args, num_jobs, args.seed)
     cfg = bench_recipe(args)
@@ -370,14 +375,14 @@ def rollout_task(cfg, job_id: int, payload, step_s: float, speeds: list[float], 
     pad = step_s / node_speed(node, speeds)
     attempt = uuid.uuid4().hex[:8]
     with open(os.path.join(log_dir, f"{attempt}.log"), "a", buffering=1) as log:
-        log.write(json.dumps({"job": job_id, "node": node, "t": time.time()}) + "\n")
+        log.write(json.dumps({"job": job_id, "node": node}) + "\n")
         state = runner.start(payload, 0, None)
         while not runner.finished(state):
             t0 = time.monotonic()
             state = runner.advance(state)
             time.sleep(max(0.0, pad - (time.monotonic() - t0)))
             log.write(json.dumps({"step": 1}) + "\n")
-        log.write(json.dumps({"done": True, "t": time.time()}) + "\n")
+        log.write(json.dumps({"done": True}) + "\n")
     return runner.output(state).latents[-1][0]
 
 
@@ -455,7 +460,6 @@ def read_attempts(log_dir: str) -> list[dict]:
         out.append({
             "job": lines[0]["job"], "node": lines[0]["node"],
             "steps": sum("step" in x for x in lines), "done": any("done" in x for x in lines),
-            "t0": lines[0]["t"], "t1": lines[-1].get("t"),
         })  # fmt: skip
     return out
 
