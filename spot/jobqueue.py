@@ -295,6 +295,10 @@ class JobQueue:
             self._unfinished[job.version] += 1
             self._count(job, submitted=1)
 
+    def push(self, jobs: Sequence[Job], workers: Sequence[str]) -> None:
+        """Queue jobs, each for the least-loaded of `workers` then (`least_loaded`): the push baseline."""
+        self.submit(jobs, least_loaded(self.loads(workers), len(jobs)))
+
     def publish(self, version: int, weights: Any) -> None:
         """Weights `version` is available as `weights` (opaque here; handed to workers as is)."""
         self._weights[version] = weights

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spot.jobqueue import Job, JobQueue, QueueStats, Result, least_loaded
+from spot.jobqueue import Job, JobQueue, QueueStats, Result
 from spot.localray import ON_DEMAND, SPOT, kill_actor
 from spot.pool import Group, GroupFormError, GroupOutcome, WorkerPool, plan_groups
 
@@ -180,13 +180,13 @@ class Runtime:
         """Queue jobs; idle workers are woken to pull them."""
         jobs = list(jobs)
         with self._lock:
-            assignees = None
             if self.policy == "push":
                 ready = [g.group_id for g in self.pool.running()]
                 if not ready:
                     raise ValueError("push needs running groups to assign jobs to; wait for workers first")
-                assignees = least_loaded(self._ray.get(self.queue.loads.remote(ready)), len(jobs))
-            self._ray.get(self.queue.submit.remote(jobs, assignees))
+                self._ray.get(self.queue.push.remote(jobs, ready))
+            else:
+                self._ray.get(self.queue.submit.remote(jobs))
             self.num_jobs += len(jobs)
             if self._t0 is None:
                 self._t0 = time.monotonic()

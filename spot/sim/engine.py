@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spot.jobqueue import ACCEPTED, HANDOFF, STALE, STOP, WAIT, Job, JobQueue, Lease, least_loaded
+from spot.jobqueue import ACCEPTED, HANDOFF, STALE, STOP, WAIT, Job, JobQueue, Lease
 from spot.sim.profile import Profile
 from spot.traces import Trace
 
@@ -417,13 +417,13 @@ class Cluster:
         self._push, self._orphaned = scheduler == "push", []
         handoff = self.handoff and not self._push
         queue = JobQueue(lease_timeout_s=1e12, clock=lambda: self.loop.now, handoff=handoff)
-        assignees = None
         if self._push:
             ready = [w.wid for w in self.live_workers() if w.spot in pools and w.available_at <= self.loop.now]
             if not ready:
                 raise ValueError("push needs ready workers at submission")
-            assignees = least_loaded(dict.fromkeys(ready, 0), len(jobs))  # a fresh queue: round robin
-        queue.submit(list(jobs), assignees)
+            queue.push(list(jobs), ready)
+        else:
+            queue.submit(list(jobs))
         self._queue, self._phase_pools, self._phase_steps = queue, pools, num_steps
         cut_steps = 0
         start = self.loop.now
