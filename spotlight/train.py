@@ -90,6 +90,7 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
     """Post-train the policy of `cfg` with GRPO, writing config, metrics, images and checkpoints to run_dir."""
     started = time.monotonic()
     run_dir = Path(run_dir)
+    threads = torch.get_num_threads()  # train.num_threads changes it for the run only (a notebook's next cell keeps its own)
     # One process unless launched by accelerate/torchrun; then only rank 0 writes and explores.
     dp = init_data_parallel()
     mirror, ledger, exploration, rt, lock = None, None, None, None, None
@@ -143,6 +144,7 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
             remove_if_empty_run(run_dir)  # while the lock is held: no other trainer can have started there
         if lock is not None:
             lock.release()
+        torch.set_num_threads(threads)
 
 
 def _train(

@@ -24,6 +24,21 @@ def _quiet():
     transformers.utils.logging.set_verbosity_error()
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads(request):
+    """Give every test the process's torch thread count back: a test that leaves it changed makes
+    later in-process runs round differently from the same run in a subprocess (it is warned about)."""
+    import warnings
+
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        warnings.warn(f"{request.node.nodeid} left torch at {torch.get_num_threads()} thread(s), not {threads}: restored", stacklevel=1)
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Qwen-Image folder: 32x32 images, 16 tokens, one transformer block."""

@@ -33,6 +33,10 @@ from spotlight.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 ITERATIONS, COMMIT_EVERY, NUM_STEPS = 3, 2, 6
+THREADS = 2
+"""The trainer's torch threads, the same in-process and in the CLI's process: the update's CPU
+reductions round differently with another thread count (a test that left the pytest process at
+one thread once made the CLI run differ from the local one)."""
 
 
 def recipe(model_dir: Path, **runtime) -> DiTRecipe:
@@ -42,7 +46,7 @@ def recipe(model_dir: Path, **runtime) -> DiTRecipe:
         # at other batch sizes (the tiny recipe's do not: jobs of 16 against chunks of 128).
         "sample": {"num_steps": NUM_STEPS, "autocast": "none", "batch_size": 2},
         "reward": {"weights": {"jpeg_compressibility": 1.0}},  # varies per seed: every group trains
-        "train": {"num_iterations": ITERATIONS, "prompts_per_iteration": 3, "group_size": 4, "minibatch_size": 6, "max_minutes": 0},
+        "train": {"num_iterations": ITERATIONS, "prompts_per_iteration": 3, "group_size": 4, "minibatch_size": 6, "max_minutes": 0, "num_threads": THREADS},
         "log": {"wandb_mode": "disabled", "images_every": 0, "checkpoint_every": ITERATIONS},
         "data": {"num_heldout": 8},
         "runtime": {"job_size": 2, "commit_every": COMMIT_EVERY, **runtime},
@@ -137,7 +141,10 @@ def test_a_spot_node_killed_mid_rollout_changes_nothing_in_the_weights(tiny_mode
     from spotlight.train import run_training
 
     struck = strike_when_past_a_commit(cluster, monkeypatch, lambda c, name: c.remove_node(name), wait_node_lost=True)  # SIGKILL, no notice
-    run_training(recipe(tiny_model_dir, rollouts="cluster", ray_address=cluster.address), tmp_path, progress=False)
+    # Steps of at least 0.15 s (emulated slower device): the kill lands while the struck job still has
+    # steps to go. At full speed its last steps take milliseconds, and on a loaded host the job could
+    # end between the watcher's look and the kill (then no work is hit, and none is counted).
+    run_training(recipe(tiny_model_dir, rollouts="cluster", ray_address=cluster.address, emulated_step_s=0.15), tmp_path, progress=False)
     assert struck, "no spot worker held a rollout job past a commit"
     last = read_metrics(tmp_path)[-1]
     assert last["runtime/preemptions_total"] == 1 and last["runtime/preemptions_hitting_work_total"] == 1
@@ -183,7 +190,7 @@ def test_the_cli_trains_on_a_replayed_trace(tiny_model_dir, local_run, tmp_path)
     overrides = [
         f"model.path={tiny_model_dir}", "sample.num_steps=6", "sample.autocast=none", "sample.batch_size=2", "reward.weights={jpeg_compressibility: 1.0}",
         f"train.num_iterations={ITERATIONS}", "train.prompts_per_iteration=3", "train.group_size=4", "train.minibatch_size=6",
-        "train.max_minutes=0", "log.wandb_mode=disabled", "log.images_every=0", f"log.checkpoint_every={ITERATIONS}",
+        "train.max_minutes=0", f"train.num_threads={THREADS}", "log.wandb_mode=disabled", "log.images_every=0", f"log.checkpoint_every={ITERATIONS}",
         "data.num_heldout=8", "runtime.job_size=2", f"runtime.commit_every={COMMIT_EVERY}", "runtime.rollouts=cluster",
         f"runtime.trace={trace}", "runtime.trace_nodes=2", "runtime.trace_window_s=22", "runtime.trace_compress=4",
         "runtime.trace_start_s=0", "runtime.trace_notice_s=1",
