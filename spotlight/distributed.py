@@ -47,6 +47,20 @@ from spotlight.checkpoint import Checkpoint, CheckpointError, load_checkpoint, n
 from spotlight.rewards import RewardResult
 
 
+@contextmanager
+def torch_threads(num_threads: int | None):
+    """Run the body with `num_threads` torch CPU threads (0 or None: as they are), then give the
+    process its thread count back: a run started from a notebook or a test leaves the next one's
+    arithmetic as it found it (CPU reductions round differently at another thread count)."""
+    before = torch.get_num_threads()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @dataclass
 class FSDPSettings:
     """How to shard the transformer, from the `FSDP_*` variables `accelerate launch` sets from `fsdp_config`."""

@@ -32,6 +32,7 @@ import torch
 from rich.progress import Progress
 
 from spotlight.config import PretrainConfig, SampleConfig
+from spotlight.distributed import torch_threads
 from spotlight.policy import DiTPolicy
 from spotlight.rewards import shapes
 from spotlight.runlock import RunLock
@@ -60,7 +61,8 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, *, progress: bool = True,
     if out_dir.exists() and not force:
         raise ValueError(f"--out {out_dir} exists; pass --force to replace it, or choose another --out")
     with RunLock(out_dir.parent, "spotlight pretrain", lock_file=out_dir.parent / f".{out_dir.name}.lock"):
-        return _pretrain(cfg, out_dir, progress)
+        with torch_threads(cfg.num_threads):  # for the pretraining only
+            return _pretrain(cfg, out_dir, progress)
 
 
 def pretrain_prompts(cfg: PretrainConfig) -> list[str]:
@@ -74,8 +76,6 @@ def pretrain_prompts(cfg: PretrainConfig) -> list[str]:
 
 
 def _pretrain(cfg: PretrainConfig, out_dir: Path, progress: bool) -> dict:
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
     train_prompts = pretrain_prompts(cfg)
     work = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)

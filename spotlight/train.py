@@ -44,7 +44,7 @@ from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
     DataParallel, gather_rewards, gather_train_state, gather_trainable_weights, init_data_parallel, load_resume_checkpoint,
-    load_train_state, shard_transformer,
+    load_train_state, shard_transformer, torch_threads,
 )  # fmt: skip
 from spotlight.evaluate import evaluate
 from spotlight.explore import (
@@ -90,7 +90,6 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
     """Post-train the policy of `cfg` with GRPO, writing config, metrics, images and checkpoints to run_dir."""
     started = time.monotonic()
     run_dir = Path(run_dir)
-    threads = torch.get_num_threads()  # train.num_threads changes it for the run only (a notebook's next cell keeps its own)
     # One process unless launched by accelerate/torchrun; then only rank 0 writes and explores.
     dp = init_data_parallel()
     mirror, ledger, exploration, rt, lock = None, None, None, None, None
@@ -131,7 +130,8 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
             except BaseException as err:
                 setup_error = err
         dp.started(setup_error)
-        result = _train(cfg, run_dir, dp, exploration, rt, ledger, mirror, lock, resume=resume, progress=progress and dp.is_main, started=started)
+        with torch_threads(cfg.train.num_threads):  # for the run only
+            result = _train(cfg, run_dir, dp, exploration, rt, ledger, mirror, lock, resume=resume, progress=progress and dp.is_main, started=started)
         dp.finish()
         return result
     finally:
@@ -144,7 +144,6 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
             remove_if_empty_run(run_dir)  # while the lock is held: no other trainer can have started there
         if lock is not None:
             lock.release()
-        torch.set_num_threads(threads)
 
 
 def _train(
@@ -164,8 +163,6 @@ def _train(
     """The iteration loop; on ranks other than 0, exploration, runtime, ledger, mirror and lock are None.
     `started`: `time.monotonic()` when `run_training` began (time/run_s counts from it)."""
     console = Console(quiet=not progress)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
     if dp.is_main:
         save_config(cfg, run_dir / "config.yaml")
 

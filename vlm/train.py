@@ -50,7 +50,7 @@ from spotlight.checkpoint import capture_rng_state, restore_rng_state, save_chec
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
     DataParallel, gather_sharded_train_state, init_data_parallel, load_resume_checkpoint, load_sharded_train_state,
-    shard_module, swapped_shards,
+    shard_module, swapped_shards, torch_threads,
 )  # fmt: skip
 from spotlight.optim import apply_lr_schedule, run_cooldown_scale
 from spotlight.runlock import RunLock, remove_if_empty_run
@@ -355,7 +355,8 @@ def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, pr
             except BaseException as err:
                 setup_error = err
         dp.started(setup_error)
-        result = _train(cfg, run_dir, dp, ledger, resume=resume, progress=progress and dp.is_main)
+        with torch_threads(cfg.train.num_threads):  # for the run only
+            result = _train(cfg, run_dir, dp, ledger, resume=resume, progress=progress and dp.is_main)
         dp.finish()
         return result
     finally:
@@ -382,8 +383,6 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger |
         )
     if dp.is_main:
         save_config(cfg, run_dir / "config.yaml")
-    if tc.num_threads:
-        torch.set_num_threads(tc.num_threads)
 
     policy = load_policy(cfg.model, seed=tc.seed)
     if dp.sharded:  # rank 0's trainable weights, then sharded

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from spotlight.config_io import save_config
+from spotlight.distributed import torch_threads
 from spotlight.sampling import derive_seed
 from vlm.config import WarmStartRecipe
 from vlm.evaluate import evaluate
@@ -102,9 +103,12 @@ def warm_start(cfg: WarmStartRecipe, out: str | Path, *, progress: bool = True, 
         raise ValueError(f"--out {out} exists{'' if out.is_dir() else ' (a file)'}; pass --force to replace it, or choose another --out")
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
+    with torch_threads(cfg.num_threads):  # for the warm start only
+        return _warm_start(cfg, out, progress)
+
+
+def _warm_start(cfg: WarmStartRecipe, out: Path, progress: bool) -> dict:
     console = Console(quiet=not progress)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
     began = time.monotonic()
     build_tiny_vlm(out, cfg.model, corpus(cfg.task), image_px=cfg.task.grid_size * CELL_PX)
     policy = VLMPolicy.load(out, field="--out")
