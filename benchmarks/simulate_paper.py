@@ -3,16 +3,27 @@
 For each trace and each cluster size (default: 4 on-demand + 8 spot GPUs, and 8 + 24 = 32 GPUs),
 `spot.sim` simulates the Qwen-Image 512 profile (`spot/sim/profile.py`, every value's assumption
 written there) under the policies on-demand only, inline exploration, Spotlight and disaggregated
-rollout, with the recorded reward table of a real tiny run (benchmarks/data/tiny-shapes-rewards.npz)
-as the learning model and the real bandit planner. Spot GPUs cost the on-demand price times
-(1 - discount), 70% off by default. Two on-demand baselines, since the paper's is not pinned down:
+rollout, with the real bandit planner choosing candidates from the reward table of a real tiny run
+(benchmarks/data/tiny-shapes-rewards.npz), and the measured learning model: what seed selection
+saves in iterations to the target, measured on the tiny recipe over 3 training seeds
+(benchmarks/data/exploration-iterations.json; the profile's selection_iterations_ratio and
+stale_gain_share, spot/sim/policies.py). Spot GPUs cost the on-demand price times (1 - discount),
+70% off by default. Two on-demand baselines, since the paper's is not pinned down:
 
     same GPUs       on-demand only with as many GPUs as Spotlight holds at peak (trainer + spot)
     trainer GPUs    on-demand only with Spotlight's trainer GPUs alone (what spot capacity is added to)
 
+What the figures show: time and cost to the target under that learning model, on the trace's
+spot capacity, with paper-scale phase times that are assumptions (spot/sim/profile.py). What they
+do not show: that a Qwen-Image run gains per iteration what the tiny recipe gains; the sensitivity
+table gives the ratios over the learning model (1.0: selection saves nothing; 1.222: what one
+explorer node gave; the measured oracle; 2.0) and over the spot discount.
+
 Prints one JSON line per trace:
-    {"trace": ..., "cost_ratio_vs_ondemand": ..., "time_to_target_ratio_vs_ondemand": ...,
+    {"trace": ..., "baseline": ..., "cost_ratio_vs_ondemand": ..., "time_ratio_vs_ondemand": ...,
      "spot_utilisation": ...,                        # Spotlight at the first size, same-GPUs baseline
+     "learning_model": {...}, "sensitivity": [{"selection_iterations_ratio", "spot_discount",
+     "cost_ratio_vs_ondemand", "time_ratio_vs_ondemand"}, ...],   # first size, same-GPUs baseline
      "sizes": {"4+8": {...per baseline and policy...}, "8+24": {...}}}
 
     .venv/bin/python benchmarks/simulate_paper.py --trace traces/parcae-p3-aws.csv --json
@@ -23,6 +34,7 @@ Prints one JSON line per trace:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -46,6 +58,9 @@ def main() -> None:
     p.add_argument("--sizes", default="4+8,8+24", help="trainer+spot GPU counts, comma separated")
     p.add_argument("--spot-discount", type=float, default=0.7)
     p.add_argument("--table", type=Path, default=ROOT / "benchmarks/data/tiny-shapes-rewards.npz")
+    p.add_argument("--sensitivity-ratios", default="1.0,1.222,measured,2.0",
+                   help="selection_iterations_ratio values of the sensitivity table ('measured': the profile's)")
+    p.add_argument("--sensitivity-discounts", default="0.0,0.5,0.7", help="spot discounts of the sensitivity table")
     p.add_argument("--json", action="store_true", help="only the JSON lines")
     args = p.parse_args()
     traces = [ROOT / "traces" / name for name in SHIPPED] if args.all else args.trace
@@ -54,10 +69,13 @@ def main() -> None:
     sizes = [tuple(int(x) for x in s.split("+")) for s in args.sizes.split(",")]
     for path in traces:
         line = one_trace(path, profile, table, sizes, args.spot_discount)
+        ratios = [profile.selection_iterations_ratio if r == "measured" else float(r) for r in args.sensitivity_ratios.split(",")]
+        line["sensitivity"] = sensitivity(path, profile, table, sizes[0], args.spot_discount, ratios,
+                                          [float(d) for d in args.sensitivity_discounts.split(",")])  # fmt: skip
         if not args.json:
             for size, row in line["sizes"].items():
                 s = row["same_gpus"]["spotlight"]
-                print(f"{path.name} {size}: cost x{s['cost_ratio_vs_ondemand']}, time x{s['time_to_target_ratio_vs_ondemand']}, "
+                print(f"{path.name} {size}: cost x{s['cost_ratio_vs_ondemand']}, time x{s['time_to_target_ratio_vs_ondemand']} (>1: faster), "
                       f"vs trainer GPUs only: cost x{row['trainer_gpus']['spotlight']['cost_ratio_vs_ondemand']}, "
                       f"time x{row['trainer_gpus']['spotlight']['time_to_target_ratio_vs_ondemand']}", file=sys.stderr)  # fmt: skip
         print(json.dumps(line), flush=True)
@@ -84,11 +102,38 @@ def one_trace(path: Path, profile, table, sizes, discount: float) -> dict:
     first = out["sizes"][f"{sizes[0][0]}+{sizes[0][1]}"]["same_gpus"]["spotlight"]
     return {
         "trace": out["trace"],
+        "baseline": f"on-demand only, {sizes[0][0] + sizes[0][1]} GPUs (as many as Spotlight holds at peak), random seeds",
         "cost_ratio_vs_ondemand": first["cost_ratio_vs_ondemand"],
-        "time_to_target_ratio_vs_ondemand": first["time_to_target_ratio_vs_ondemand"],
+        "time_ratio_vs_ondemand": first["time_to_target_ratio_vs_ondemand"],
         "spot_utilisation": first["spot_utilisation"],
+        "learning_model": {
+            "selection_iterations_ratio": profile.selection_iterations_ratio, "stale_gain_share": profile.stale_gain_share,
+            "source": "benchmarks/data/exploration-iterations.json (tiny recipe, 3 seeds, emulated explorer capacity)",
+        },  # fmt: skip
         **{k: v for k, v in out.items() if k != "trace"},
     }
+
+
+def sensitivity(path: Path, profile, table, size: tuple[int, int], discount: float, ratios: list[float], discounts: list[float]) -> list[dict]:
+    """Spotlight against same-GPUs on-demand at the first size, over the learning model's ratio and
+    the spot discount. The discount changes only the spot bill (the simulation is the same), so each
+    ratio is simulated once and its spot cost rescaled by (1 - d) / (1 - discount)."""
+    trainer, spot = size
+    trace = load_trace(path).trimmed().rescaled(spot)
+    rows = []
+    base = None
+    for ratio in ratios:
+        prof = dataclasses.replace(profile, selection_iterations_ratio=ratio)
+        setup = Setup(profile=prof, trace=trace, table=table, trainer_gpus=trainer, baseline_gpus=trainer + spot, spot_discount=discount)
+        base = base or simulate("ondemand", setup)  # random seeds: the learning model does not change it
+        s = simulate("spotlight", setup)
+        for d in discounts:
+            cost = s.cost_on_demand_usd + s.cost_spot_usd * (1 - d) / (1 - discount)
+            rows.append({
+                "selection_iterations_ratio": ratio, "spot_discount": d, "iterations": s.iterations,
+                "cost_ratio_vs_ondemand": round(base.cost_usd / cost, 4), "time_ratio_vs_ondemand": round(base.wall_s / s.wall_s, 4),
+            })  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

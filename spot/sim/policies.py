@@ -16,17 +16,19 @@ then update on the trainer GPUs; the update's GPU-seconds are split over the tra
                    runtime.rollouts=cluster explore.mode=stale (docs/spot.md says where they differ).
     disaggregated  rollout on the spot pool only, update on the trainer GPUs; random seeds.
 
-Learning model. GRPO learns from the reward variance inside groups. Each simulated iteration maps
-to an iteration of a reward table recorded from a real run (`planners.tables`): candidate rewards
-per prompt in exploration order. A prompt trained on random seeds carries the variance of its
-first G candidates; explored with n > G candidates it carries the variance of the contrast group
-`select_contrast` picks among the first n (`planners.captured_variance`). With stale weights only a
-share `stale_retention` of that gain holds under the fresh weights (Kendall tau of stale vs fresh
-rankings, benchmarks/stale_ranking.py). An iteration's progress is its captured variance over the
-table's mean random-seed variance, so plain GRPO advances ~1 per iteration and the target is
-`iterations_to_target` units. The assumption that progress is linear in captured variance is ours
-(a normalised-advantage update's expected improvement grows with the fraction of informative
-groups); the reported speed-ups inherit it.
+Learning model, measured. The target is `iterations_to_target` units; an iteration of plain GRPO
+(random seeds) advances one unit. An iteration whose every prompt trained on the contrast group of
+a full pool of fresh candidates advances `selection_iterations_ratio` units: the iterations-to-
+target ratio of plain GRPO over the oracle, measured over several training seeds by
+benchmarks/time_to_target.py. Stale candidates (spot explorers, the weights of one iteration
+before) keep `stale_gain_share` of that gain, measured the same way. In between, each prompt adds
+its share of the full pool's gain, (1/P) sum_p h(n_p), where h(n) is how much of the contrast
+variance of a full pool the first n candidates capture, on average over the reward table recorded
+from a real run (`planners.captured_variance`: 0 for random seeds, 1 for the full pool). Each
+simulated iteration maps to an iteration of that table, whose prompts the real planner allocates
+candidates to. Two assumptions are ours: the gain adds up linearly over prompts, and a partial
+pool is worth its share of the captured variance. Checked against the measured curve over
+explorer capacity (1-8 emulated nodes, tests/test_simulator.py); the speed-ups inherit both.
 """
 
 from __future__ import annotations
@@ -87,14 +89,29 @@ class Setup:
 
 
 class Learning:
-    """Prompts and reward variance of each simulated iteration, from a reward table."""
+    """Prompts of each simulated iteration from a reward table, and the measured learning model
+    (module docstring) that turns the candidates explored per prompt into progress."""
 
     def __init__(self, table: RewardTable, profile: Profile):
         self.table, self.G, self.P = table, profile.group_size, profile.prompts_per_iteration
-        per_prompt = [captured_variance(r, 0, self.G) for it in table.iterations for r in it.values()]
-        self.base_mean = float(np.mean(per_prompt))
-        if not self.base_mean > 0:
-            raise ValueError(f"reward table {table.source!r}: random groups carry no variance; nothing to learn from")
+        self.ratio, self.stale_share = profile.selection_iterations_ratio, profile.stale_gain_share
+        rows = [np.asarray(r, dtype=np.float64) for it in table.iterations for r in it.values()]
+        self.pool = max(r.size for r in rows)
+        if self.pool <= self.G:
+            raise ValueError(f"reward table {table.source!r}: {self.pool} candidates per prompt, no more than G={self.G}: nothing to select")
+        base = np.array([captured_variance(r, 0, self.G) for r in rows])
+        full = np.array([captured_variance(r, self.pool, self.G) for r in rows])
+        gain = float(np.mean(full - base))
+        if not gain > 0:
+            raise ValueError(f"reward table {table.source!r}: a full pool captures no more variance than random seeds")
+        # h(n) for n = 0..pool, the table's mean share of the full pool's variance gain.
+        self._share = np.zeros(self.pool + 1)
+        for n in range(self.G + 1, self.pool + 1):
+            self._share[n] = float(np.mean([captured_variance(r, n, self.G) for r in rows]) - base.mean()) / gain
+
+    def share(self, num_explored: int) -> float:
+        """h(n): of the full pool's gain, the share a prompt explored with n candidates gets."""
+        return float(self._share[min(max(int(num_explored), 0), self.pool)])
 
     def prompts(self, k: int) -> dict[str, np.ndarray]:
         """The P prompts of iteration k (consecutive table iterations, repeated), id -> candidate rewards."""
@@ -109,13 +126,11 @@ class Learning:
             j += 1
         return out
 
-    def progress(self, prompts: dict[str, np.ndarray], explored: dict[str, int], retention: float) -> float:
-        """Progress units of an iteration whose prompts were explored with `explored[p]` candidates."""
-        total = 0.0
-        for p, r in prompts.items():
-            base = captured_variance(r, 0, self.G)
-            total += base + retention * (captured_variance(r, explored.get(p, 0), self.G) - base)
-        return total / (len(prompts) * self.base_mean)
+    def progress(self, prompts: dict[str, np.ndarray], explored: dict[str, int], stale: bool) -> float:
+        """Progress units of an iteration whose prompts were explored with `explored[p]` candidates
+        (scored with the previous iteration's weights if `stale`)."""
+        dose = float(np.mean([self.share(explored.get(p, 0)) for p in prompts]))
+        return 1.0 + (self.ratio - 1.0) * (self.stale_share if stale else 1.0) * dose
 
 
 @dataclass
@@ -168,7 +183,6 @@ def simulate(policy: str, setup: Setup, *, progress_cb=None) -> PolicyResult:
     family = {"family": prompt_family(setup.planner_family)} if setup.planner == "bandit" else {}
     planner = build_planner(setup.planner, seed=setup.seed, **family) if explores else None
     pools = {"ondemand": (False,), "inline": (False,), "spotlight": (False, True), "disaggregated": (True,)}[policy]
-    retention = p.stale_retention if policy == "spotlight" else 1.0
     update_s = p.update_gpu_s / trainer_gpus
     reward_s = p.reward_gpu_s_per_sample * p.samples_per_iteration / trainer_gpus
     # inline explores as many candidates as spotlight's planner gets with the whole spot pool during
@@ -249,7 +263,7 @@ def simulate(policy: str, setup: Setup, *, progress_cb=None) -> PolicyResult:
         if loop.now < t_update_end:
             loop.advance(t_update_end - loop.now)
         cluster.publish(k + 1, p.weight_sync_s)
-        progress += learning.progress(prompts, explored, retention)
+        progress += learning.progress(prompts, explored, stale=policy == "spotlight")
         if planner is not None:
             planner.observe(
                 [Observation(pid, r[: explored.get(pid) or p.group_size], iteration=k) for pid, r in prompts.items()]

@@ -77,8 +77,16 @@ class Profile:
     """Elastic SP: survivors re-form a group this long after a member is lost (persistent workers)."""
     cold_restart_s: float = 90.0
     """Non-elastic SP: survivors restart their processes and reload the model."""
-    stale_retention: float = 0.77
-    """Fraction of the stale-selected variance gain that holds under the fresh weights."""
+    selection_iterations_ratio: float = 1.667
+    """Measured learning model: plain GRPO's iterations to the target over those of GRPO whose every
+    prompt trains on the contrast group of a full pool of candidates scored with the fresh weights
+    (the oracle of benchmarks/time_to_target.py; its pool is the reward table's candidates per
+    prompt, 4 G). 1.667 (range 1.667-1.833) over 3 training seeds on the tiny recipe with 64
+    candidates per prompt (docs/tiny-recipe-notes.md, sixteenth session). 1: selection does not help."""
+    stale_gain_share: float = 1.0
+    """Measured learning model: the share of that gain kept when the candidates were scored with the
+    weights of one iteration before (spot explorers during the update): stale selection with 4
+    emulated nodes over the oracle, (1.667 - 1) / (1.667 - 1) = 1.0 on the same 3 seeds."""
     source: str = ""
     """Where the numbers come from."""
 
@@ -99,8 +107,10 @@ class Profile:
             raise ValueError(f"profile {self.name!r}: poll_s must be > 0, got {self.poll_s}")
         if self.min_sp_degree > self.sp_degree:
             raise ValueError(f"profile {self.name!r}: min_sp_degree {self.min_sp_degree} > sp_degree {self.sp_degree}")
-        if not 0 <= self.stale_retention <= 1:
-            raise ValueError(f"profile {self.name!r}: stale_retention must be in [0, 1], got {self.stale_retention}")
+        if not (math.isfinite(self.selection_iterations_ratio) and self.selection_iterations_ratio > 0):
+            raise ValueError(f"profile {self.name!r}: selection_iterations_ratio must be a finite number > 0, got {self.selection_iterations_ratio}")
+        if not 0 <= self.stale_gain_share <= 1:
+            raise ValueError(f"profile {self.name!r}: stale_gain_share must be in [0, 1], got {self.stale_gain_share}")
         if self.group_size < 2:
             raise ValueError(f"profile {self.name!r}: group_size must be >= 2, got {self.group_size}")
 
@@ -151,9 +161,9 @@ _QWEN_IMAGE_512 = dict(
     commit_every=2,
     sp_degree=1,
     min_sp_degree=1,
-    # Kendall tau of seed rankings under stale vs fresh weights measured on the tiny model
-    # (benchmarks/stale_ranking.py: 0.77 at staleness 1), used as the retained share of the gain.
-    stale_retention=0.77,
+    # The learning model is the one measured on the tiny recipe (selection_iterations_ratio,
+    # stale_gain_share: their defaults); whether a Qwen-Image OCR run gains as much per iteration
+    # from a 64-candidate pool is not known: simulate_paper.py's sensitivity table varies it.
     source="paper-scale assumptions (spot/sim/profile.py)",
 )
 
@@ -230,9 +240,9 @@ def profile_from_run(run_dir: str | Path, *, trainer_gpus: int = 1, name: str | 
     The run's recipe gives P, G, the steps and the batch; its metrics give rollout, reward and update
     seconds (iterations after the first, which pays warm-up). The rollout ran all P x G samples as
     one job per trainer process, so `job_step_s` is rollout seconds over steps with
-    `samples_per_job` = P x G / trainer_gpus. The learning facts (iterations to target, stale
-    retention) are not in the metrics: stale retention is measured where the run explored
-    (explore/var_selected_fresh against explore/var_selected_stale), the rest keeps the defaults.
+    `samples_per_job` = P x G / trainer_gpus. The learning facts (iterations to target, what
+    selection saves) are not in one run's metrics: they keep the defaults, measured over several
+    runs by benchmarks/time_to_target.py (`--set` changes them).
     """
     import statistics
 
@@ -256,15 +266,6 @@ def profile_from_run(run_dir: str | Path, *, trainer_gpus: int = 1, name: str | 
     num_prompts, group = int(train["prompts_per_iteration"]), int(train["group_size"])
     steps = int(sample["num_steps"])
     per_job = max(1, num_prompts * group // trainer_gpus)
-    retention = 0.77
-    gains = [
-        (r["explore/var_selected_fresh"] - r["explore/var_default_fresh"], r["explore/var_selected_stale"] - r["explore/var_default_stale"])
-        for r in rows
-        if all(k in r for k in ("explore/var_selected_fresh", "explore/var_default_fresh", "explore/var_selected_stale", "explore/var_default_stale"))
-    ]  # fmt: skip
-    stale_gain = sum(s for _, s in gains)
-    if gains and stale_gain > 0:
-        retention = min(1.0, max(0.0, sum(f for f, _ in gains) / stale_gain))
     return Profile(
         name=name or f"measured:{run_dir.name}",
         prompts_per_iteration=num_prompts,
@@ -275,6 +276,5 @@ def profile_from_run(run_dir: str | Path, *, trainer_gpus: int = 1, name: str | 
         reward_gpu_s_per_sample=med("time/reward_s") * trainer_gpus / (num_prompts * group),
         update_gpu_s=med("time/update_s") * trainer_gpus,
         iterations_to_target=max(1, len(rows) + 1),
-        stale_retention=retention,
         source=f"measured from {run_dir} ({len(rows)} iterations)",
     )
