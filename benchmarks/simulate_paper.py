@@ -68,10 +68,10 @@ def main() -> None:
     table = load_reward_table(args.table)
     sizes = [tuple(int(x) for x in s.split("+")) for s in args.sizes.split(",")]
     for path in traces:
-        line = one_trace(path, profile, table, sizes, args.spot_discount)
+        line, first = one_trace(path, profile, table, sizes, args.spot_discount)
         ratios = [profile.selection_iterations_ratio if r == "measured" else float(r) for r in args.sensitivity_ratios.split(",")]
         line["sensitivity"] = sensitivity(path, profile, table, sizes[0], args.spot_discount, ratios,
-                                          [float(d) for d in args.sensitivity_discounts.split(",")])  # fmt: skip
+                                          [float(d) for d in args.sensitivity_discounts.split(",")], first)  # fmt: skip
         if not args.json:
             for size, row in line["sizes"].items():
                 s = row["same_gpus"]["spotlight"]
@@ -81,14 +81,17 @@ def main() -> None:
         print(json.dumps(line), flush=True)
 
 
-def one_trace(path: Path, profile, table, sizes, discount: float) -> dict:
+def one_trace(path: Path, profile, table, sizes, discount: float) -> tuple[dict, dict]:
+    """The JSON line of one trace, and the first size's simulated on-demand and Spotlight results."""
     full = load_trace(path).trimmed()
     out = {"trace": path.name, "profile": profile.name, "spot_discount": discount, "sizes": {}}
+    kept = {}
     for trainer, spot in sizes:
         trace = full.rescaled(spot)
         setup = Setup(profile=profile, trace=trace, table=table, trainer_gpus=trainer, baseline_gpus=trainer + spot,
                       spot_discount=discount)  # fmt: skip
         results = {name: simulate(name, setup) for name in POLICIES}
+        kept = kept or {"ondemand": results["ondemand"], "spotlight": results["spotlight"]}
         same = compare(results)
         # The trainer-only baseline: on-demand with the trainer GPUs alone.
         small = Setup(**{**setup.__dict__, "baseline_gpus": trainer})
@@ -111,22 +114,24 @@ def one_trace(path: Path, profile, table, sizes, discount: float) -> dict:
             "source": "benchmarks/data/exploration-iterations.json (tiny recipe, 3 seeds, emulated explorer capacity)",
         },  # fmt: skip
         **{k: v for k, v in out.items() if k != "trace"},
-    }
+    }, kept
 
 
-def sensitivity(path: Path, profile, table, size: tuple[int, int], discount: float, ratios: list[float], discounts: list[float]) -> list[dict]:
+def sensitivity(
+    path: Path, profile, table, size: tuple[int, int], discount: float, ratios: list[float], discounts: list[float], first: dict,
+) -> list[dict]:  # fmt: skip
     """Spotlight against same-GPUs on-demand at the first size, over the learning model's ratio and
     the spot discount. The discount changes only the spot bill (the simulation is the same), so each
-    ratio is simulated once and its spot cost rescaled by (1 - d) / (1 - discount)."""
+    ratio is simulated once and its spot cost rescaled by (1 - d) / (1 - discount). `first`: the
+    results `one_trace` simulated at the profile's own ratio (on-demand does not depend on it)."""
     trainer, spot = size
     trace = load_trace(path).trimmed().rescaled(spot)
     rows = []
-    base = None
+    base = first["ondemand"]  # random seeds: the learning model does not change it
     for ratio in ratios:
         prof = dataclasses.replace(profile, selection_iterations_ratio=ratio)
         setup = Setup(profile=prof, trace=trace, table=table, trainer_gpus=trainer, baseline_gpus=trainer + spot, spot_discount=discount)
-        base = base or simulate("ondemand", setup)  # random seeds: the learning model does not change it
-        s = simulate("spotlight", setup)
+        s = first["spotlight"] if ratio == profile.selection_iterations_ratio else simulate("spotlight", setup)
         for d in discounts:
             cost = s.cost_on_demand_usd + s.cost_spot_usd * (1 - d) / (1 - discount)
             rows.append({
