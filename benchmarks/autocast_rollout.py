@@ -89,6 +89,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "baseline": "the same rollout in float32 (no autocast)",
                 "rollout_s_float32": round(t32, 3),
                 "rollout_s_autocast": round(tlo, 3),
                 "speedup": round(t32 / tlo, 3),

@@ -91,6 +91,7 @@ def main() -> None:
                 runs[window].append(result)
                 print(f"{window} #{rep}: {result}", file=sys.stderr)
     print(json.dumps({
+        "baseline": "explore.window=update (exploration within the update alone)",
         **ratios(runs),
         "iterations": args.iterations,
         "repeats": args.repeats,

@@ -118,6 +118,7 @@ def main() -> None:
     gains = [r["gain"] for r in rows]
     print(json.dumps({
         "benchmark": "heldout_gain",
+        "baseline": "the base model before GRPO, on the same held-out prompts and eval seeds",
         "command": f"spotlight train {RECIPE} data.split_seed=S" + (" " + " ".join(args.overrides) if args.overrides else ""),
         "host_cpu": cpu_model(),
         "cores": len(os.sched_getaffinity(0)),

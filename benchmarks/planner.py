@@ -33,14 +33,30 @@ The main path is a table recorded by a real run (`--table`, .json or .npz; forma
 planners/tables.py). Without it, a seeded synthetic non-stationary table is used and the JSON
 says "table": "synthetic". Prints one JSON line.
 
+Out of sample. Scored on the rewards it selected by, a planner is flattered twice: the extremes of
+a prompt's candidates are picked with the very rewards that measure them, and its settings may
+have been tuned on the table that scores it. So:
+
+- A table recorded with `record_reward_table.py --staleness 1` holds, for the same seeds, the
+  rewards of the weights one update behind (what an explorer measures). Replayed, every planner
+  chooses and learns by those stale rewards and is scored on the fresh ones ("scored":
+  "out_of_sample"); the oracle keeps hindsight (fresh rewards). The in-sample figures of the same
+  table are printed beside them (`in_sample`).
+- `--tune-on TABLE2` chooses the bandit's family and its two settings (discount, prior strength)
+  by the variance captured on another table (from another run, or another base), and reports the
+  chosen settings' figures on `--table`, beside the shipped defaults' (`tuned`).
+
     .venv/bin/python benchmarks/planner.py --table benchmarks/data/tiny-shapes-rewards-long6k.npz
     .venv/bin/python benchmarks/planner.py                   # synthetic
     .venv/bin/python benchmarks/planner.py --table T --family ""   # the bandit without families
+    .venv/bin/python benchmarks/planner.py --table benchmarks/data/tiny-shapes-rewards-stale1.npz \
+        --tune-on benchmarks/data/tiny-shapes-rewards-long6k.npz     # out of sample both ways
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -52,6 +68,11 @@ MEASURED_BUDGET_FRACTION = 0.317
 """The tiny recipe's stale budget on 2 cores (module docstring): 325 candidates of 16 x 64."""
 
 SWEEP = (0.1, 0.2, 0.3, 0.5, 0.75)
+
+TUNE_FAMILIES = ("", "shapes_counts", r"matches:\b(red|green|blue|yellow)\b", r"matches:\b(circles?|squares?|triangles?)\b")
+"""Families `--tune-on` tries: one family, the count words (the shipped preset), colours, shapes."""
+TUNE_DISCOUNTS = (0.8, 0.9, 0.95)
+TUNE_PRIOR_STRENGTHS = (2.0, 4.0, 8.0)
 
 
 def budget_fraction_of_run(run_dir: str | Path) -> float:
@@ -75,11 +96,38 @@ def budget_fraction_of_run(run_dir: str | Path) -> float:
     return statistics.fmean(budgets) / (t.prompts_per_iteration * cfg.explore.candidates_cap(t.group_size))
 
 
-def build_planners(family: str, seed: int) -> dict:
-    planners = {"bandit": build_planner("bandit", seed=seed, family=prompt_family(family))}
+def build_planners(family: str, seed: int, **bandit) -> dict:
+    planners = {"bandit": build_planner("bandit", seed=seed, family=prompt_family(family), **bandit)}
     planners |= {name: build_planner(name, seed=seed) for name in ("uniform", "greedy", "none")}
-    planners["bandit_one_family"] = build_planner("bandit", seed=seed)
+    planners["bandit_one_family"] = build_planner("bandit", seed=seed, **bandit)
     return planners
+
+
+def bandit_figures(table, group_size: int, fraction: float, seed: int, family: str, **bandit) -> dict[str, float]:
+    """The bandit's captured variance over uniform's and the oracle's (out of sample where the table allows)."""
+    planners = {"bandit": build_planner("bandit", seed=seed, family=prompt_family(family), **bandit)}
+    planners["uniform"] = build_planner("uniform", seed=seed)
+    c = replay(table, planners, group_size=group_size, budget_fraction=fraction).captured
+    return {"vs_uniform": round(c["bandit"] / c["uniform"], 4), "vs_oracle": round(c["bandit"] / c["oracle"], 4)}
+
+
+def tune(tune_table, score_table, group_size: int, fraction: float, seed: int, family: str) -> dict:
+    """Choose family, discount and prior strength on `tune_table`; report them on `score_table`."""
+    trials = []
+    for fam, discount, strength in itertools.product(TUNE_FAMILIES, TUNE_DISCOUNTS, TUNE_PRIOR_STRENGTHS):
+        fig = bandit_figures(tune_table, group_size, fraction, seed, fam, discount=discount, prior_strength=strength)
+        trials.append((fig["vs_uniform"], fam, discount, strength))
+    best_vs_uniform, fam, discount, strength = max(trials, key=lambda t: t[0])
+    defaults = {"discount": 0.9, "prior_strength": 4.0}
+    return {
+        "tune_table": tune_table.source,
+        "trials": len(trials),
+        "chosen": {"family": fam, "discount": discount, "prior_strength": strength},
+        "chosen_on_tune_table": {"vs_uniform": best_vs_uniform},
+        "chosen_on_table": bandit_figures(score_table, group_size, fraction, seed, fam, discount=discount, prior_strength=strength),
+        "defaults_on_tune_table": bandit_figures(tune_table, group_size, fraction, seed, family, **defaults),
+        "defaults_on_table": bandit_figures(score_table, group_size, fraction, seed, family, **defaults),
+    }
 
 
 def main() -> None:
@@ -96,6 +144,10 @@ def main() -> None:
     parser.add_argument(
         "--family", default=ExploreConfig.planner_family, help="the bandit's prompt families (planners/families.py); \"\" one family"
     )
+    parser.add_argument(
+        "--tune-on", default="",
+        help="another reward table: choose the bandit's family, discount and prior strength there, score them on --table",
+    )  # fmt: skip
     args = parser.parse_args()
 
     fraction = round(budget_fraction_of_run(args.budget_from), 4) if args.budget_from else args.budget_fraction
@@ -103,13 +155,23 @@ def main() -> None:
     group_size = args.group_size or table.group_size or 8
     result = replay(table, build_planners(args.family, args.seed), group_size=group_size, budget_fraction=fraction)
     captured = result.captured
+    out_of_sample = table.explored is not None
+    in_sample = None
+    if out_of_sample:
+        c = replay(table, build_planners(args.family, args.seed), group_size=group_size, budget_fraction=fraction, in_sample=True).captured
+        in_sample = {"vs_uniform": round(c["bandit"] / c["uniform"], 4), "vs_oracle": round(c["bandit"] / c["oracle"], 4)}
     sweep = {}
     for f in SWEEP:
         c = replay(table, build_planners(args.family, args.seed), group_size=group_size, budget_fraction=f).captured
         sweep[str(f)] = {"vs_uniform": round(c["bandit"] / c["uniform"], 4), "vs_oracle": round(c["bandit"] / c["oracle"], 4)}
+    tuned = None
+    if args.tune_on:
+        tuned = tune(load_reward_table(args.tune_on), table, group_size, fraction, args.seed, args.family)
     print(
         json.dumps(
             {
+                "baseline": "uniform: the same budget spread evenly over the iteration's prompts",
+                "scored": "out_of_sample" if out_of_sample else "in_sample",
                 "vs_uniform": round(captured["bandit"] / captured["uniform"], 4),
                 "vs_oracle": round(captured["bandit"] / captured["oracle"], 4),
                 "one_family_vs_uniform": round(captured["bandit_one_family"] / captured["uniform"], 4),
@@ -123,6 +185,9 @@ def main() -> None:
                 "budget_fraction": fraction,
                 "budget_from": args.budget_from or None,
                 "sweep": sweep,
+                "in_sample": in_sample,
+                "staleness": table.staleness,
+                "tuned": tuned,
                 "groups": sum(len(it) for it in table.iterations),
                 "iterations": len(table.iterations),
                 "group_size": group_size,

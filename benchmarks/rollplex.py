@@ -163,6 +163,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "baseline": "train.schedule=serial: the reference and actor passes after the rollout, on the same batch",
                 "loss_max_abs_diff": abs(first["serial"]["loss"] - first["rollplex"]["loss"]),
                 "grad_max_abs_diff": grad_diff,
                 "vision_encoder_calls_per_prompt": images,

@@ -66,6 +66,7 @@ def main() -> None:
     loop_s = statistics.median(loop_times)
     forward_s = statistics.median(forward_times)
     print(json.dumps({
+        "baseline": "the transformer's forwards alone (steps x one forward)",
         "overhead_ratio": round(loop_s / (steps * forward_s), 4),
         "loop_seconds": round(loop_s, 4),
         "forward_seconds": round(forward_s, 5),

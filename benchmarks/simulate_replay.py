@@ -82,6 +82,7 @@ def one(args) -> dict:
     steps = trace.availability() + [(trace.duration_s, 0)]
     empty = sum(b[0] - a[0] for a, b in zip(steps, steps[1:]) if a[1] == 0) / trace.duration_s
     return {
+        "baseline": "the simulator's least-loaded push (a lost worker's jobs pushed again from their last commit)",
         "trace": "synthetic" if args.synthetic else args.trace.name,
         "window_s": args.window_s,
         "jobs": num_jobs,

@@ -326,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     for s in probe.staleness:
         taus, sel = probe.taus[s], probe.selection[s]
         line = {
+            "baseline": "random selection of the same candidate seeds, and the first G seeds (plain GRPO)",
             "kendall_tau_stale": round(float(np.mean(taus)), 4) if taus else None,
             "selection_overlap_stale": mean(sel, "overlap_stale"),
             "selection_overlap_random": mean(sel, "overlap_random"),

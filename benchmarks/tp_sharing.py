@@ -123,6 +123,7 @@ def main() -> None:
     )
     fused_plan = plan_sharing(fuse_text_qkv(shapes), fused_rules, args.train_tp, args.rollout_tp)
     result = {
+        "baseline": "a separate rollout copy of every weight (nothing shared)",
         **summary(plan),
         "train_tp": args.train_tp,
         "rollout_tp": args.rollout_tp,

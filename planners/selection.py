@@ -79,20 +79,31 @@ def group_variance(rewards: Sequence[float]) -> float:
     return float(np.mean((r - r.mean()) ** 2))
 
 
-def captured_variance(candidates: Sequence[float], num_explored: int, group_size: int) -> float:
+def captured_variance(
+    candidates: Sequence[float], num_explored: int, group_size: int, selected_by: Sequence[float] | None = None
+) -> float:
     """Variance of the group a prompt trains on when `num_explored` candidates were explored.
 
     With num_explored > G, "extremes" selects G of the first `num_explored` candidates (fewer
     when the table holds fewer); otherwise the prompt was not explored and the rollout uses its
     first G seeds, which are random seeds.
 
+    In sample (`selected_by` None) the group is chosen by the same rewards it is scored on. Out of
+    sample, it is chosen by `selected_by` (what the explorers measured: stale weights, or a
+    cheaper sampler) and scored on `candidates` (the rewards the training rollout gets with fresh
+    weights), as Spotlight's explorers select with weights one update old.
+
     Args:
-        candidates: (N,) rewards of the candidate seeds in exploration order.
+        candidates: (N,) rewards of the candidate seeds in exploration order (the scored ones).
         num_explored: candidates the planner gave the prompt (0 = not explored).
         group_size: G.
+        selected_by: (N,) rewards of the same seeds that the selection sees; default `candidates`.
     """
     r = np.asarray(candidates, dtype=np.float64).reshape(-1)
     n = min(int(num_explored), r.size)
     if n <= group_size:
         return group_variance(r[:group_size])
-    return group_variance(r[select_contrast(r[:n], group_size)])
+    s = r if selected_by is None else np.asarray(selected_by, dtype=np.float64).reshape(-1)
+    if s.size != r.size:
+        raise ValueError(f"selected_by holds {s.size} rewards for {r.size} candidates")
+    return group_variance(r[select_contrast(s[:n], group_size)])

@@ -7,6 +7,12 @@ without a GPU: at each iteration every planner plans over that iteration's promp
 variance of a prompt is `captured_variance` of its first n candidates (n = 0: its first G seeds,
 which are random seeds), and the planner then observes what the iteration revealed.
 
+A table may also hold, for the same seeds, the rewards the explorers measured with stale weights
+(`explored`, θ_{k-s} against the training rollout's θ_k). Replaying it is out of sample: each
+group is chosen by its stale rewards and scored on its fresh ones, and the planners learn from
+what they explored (stale) and from the unexplored prompts' rollouts (fresh), as they do in a
+run (`spotlight.explore`). Without it the group is chosen and scored by the same rewards.
+
 File formats (`load_reward_table`; `save_reward_table` writes either):
 
 JSON::
@@ -22,10 +28,15 @@ NPZ (numpy.savez; I iterations, P prompts, N candidates)::
     prompts         str   (I, P)      prompt ids; "" pads an iteration with fewer than P prompts
     num_candidates  int   (I, P)      optional: valid candidates of each row (default N)
     group_size      int   ()          optional: the run's G
+    explored        float (I, P, N)   optional: the same seeds' rewards under stale weights θ_{k-s}
+    staleness       int   ()          optional: s
+
+JSON holds the last two as "explored" (shaped like "rewards") and "staleness".
 
 A prompt id may recur across iterations (a prompt drawn again in a later epoch); planners that
-learn per prompt use that. Rewards are those the explorer measured (stale weights θ_{k-1}), so
-a replay measures the planner, not the drift between θ_{k-1} and θ_k rankings.
+learn per prompt use that. `rewards` are those of the weights θ_k that the iteration's rollout
+samples with (`benchmarks/record_reward_table.py`); only a table with `explored` measures the
+drift between the stale and the fresh rankings as well as the planner.
 """
 
 from __future__ import annotations
@@ -53,6 +64,23 @@ class RewardTable:
     """The run's G, when the file records it."""
     source: str = ""
     """Where the table came from: a path, or "synthetic"."""
+    explored: list[dict[str, np.ndarray]] | None = None
+    """explored[k][prompt] = (N,) the same seeds' rewards under stale weights (what explorers see);
+    None: the table is replayed in sample (groups chosen by the rewards they are scored on)."""
+    staleness: int | None = None
+    """s of the stale weights θ_{k-s} behind `explored`."""
+
+    def __post_init__(self) -> None:
+        if self.explored is None:
+            return
+        if len(self.explored) != len(self.iterations):
+            raise ValueError(f"explored holds {len(self.explored)} iterations, rewards {len(self.iterations)}")
+        for k, (fresh, stale) in enumerate(zip(self.iterations, self.explored)):
+            if set(fresh) != set(stale):
+                raise ValueError(f"iteration {k}: explored and rewards name different prompts")
+            for p, r in fresh.items():
+                if stale[p].shape != r.shape:
+                    raise ValueError(f"iteration {k}, prompt {p!r}: {stale[p].size} explored rewards for {r.size} candidates")
 
     def max_candidates(self, iteration: int) -> int:
         """Most candidates of any prompt at that iteration."""
@@ -75,15 +103,10 @@ def load_reward_table(path: str | Path) -> RewardTable:
             raise ValueError(f"reward table {path}: not valid JSON ({err})") from None
         if not isinstance(data, dict) or not isinstance(data.get("rewards"), list):
             raise ValueError(f"reward table {path}: expected an object with a 'rewards' list of iterations")
-        iterations = []
-        for k, it in enumerate(data["rewards"]):
-            if not isinstance(it, dict):
-                raise ValueError(f"reward table {path}: rewards[{k}] must map prompt ids to reward lists")
-            try:
-                iterations.append({str(p): np.asarray(r, dtype=np.float64).reshape(-1) for p, r in it.items()})
-            except (TypeError, ValueError):
-                raise ValueError(f"reward table {path}: rewards[{k}] holds a non-numeric reward list") from None
+        iterations = _json_iterations(path, data["rewards"], "rewards")
         group_size = data.get("group_size")
+        explored = _json_iterations(path, data["explored"], "explored") if "explored" in data else None
+        staleness = data.get("staleness")
     elif path.suffix == ".npz":
         with np.load(path, allow_pickle=False) as npz:
             for key in ("rewards", "prompts"):
@@ -97,15 +120,48 @@ def load_reward_table(path: str | Path) -> RewardTable:
                 )
             counts = npz["num_candidates"] if "num_candidates" in npz else np.full(prompts.shape, rewards.shape[2])
             group_size = int(npz["group_size"]) if "group_size" in npz else None
-        iterations = [
-            {str(p): rewards[k, j, : int(counts[k, j])] for j, p in enumerate(prompts[k]) if p}
-            for k in range(rewards.shape[0])
-        ]
+            stale = npz["explored"].astype(np.float64) if "explored" in npz else None
+            staleness = int(npz["staleness"]) if "staleness" in npz else None
+        if stale is not None and stale.shape != rewards.shape:
+            raise ValueError(f"reward table {path}: explored must be shaped like rewards {rewards.shape}, got {stale.shape}")
+
+        def rows(values: np.ndarray) -> list[dict[str, np.ndarray]]:
+            return [
+                {str(p): values[k, j, : int(counts[k, j])] for j, p in enumerate(prompts[k]) if p}
+                for k in range(values.shape[0])
+            ]
+
+        iterations = rows(rewards)
+        explored = None if stale is None else rows(stale)
     else:
         raise ValueError(f"reward table {str(path)!r}: use a .json or .npz file")
     if not iterations:
         raise ValueError(f"reward table {path} holds no iterations")
-    return RewardTable(iterations, None if group_size is None else int(group_size), str(path))
+    try:
+        return RewardTable(
+            iterations,
+            None if group_size is None else int(group_size),
+            str(path),
+            explored,
+            None if staleness is None else int(staleness),
+        )
+    except ValueError as err:
+        raise ValueError(f"reward table {path}: {err}") from None
+
+
+def _json_iterations(path: Path, values: object, key: str) -> list[dict[str, np.ndarray]]:
+    """`values` (a JSON list of {prompt: rewards}) as arrays, or an error naming the file and key."""
+    if not isinstance(values, list):
+        raise ValueError(f"reward table {path}: {key!r} must be a list of iterations")
+    iterations = []
+    for k, it in enumerate(values):
+        if not isinstance(it, dict):
+            raise ValueError(f"reward table {path}: {key}[{k}] must map prompt ids to reward lists")
+        try:
+            iterations.append({str(p): np.asarray(r, dtype=np.float64).reshape(-1) for p, r in it.items()})
+        except (TypeError, ValueError):
+            raise ValueError(f"reward table {path}: {key}[{k}] holds a non-numeric reward list") from None
+    return iterations
 
 
 def save_reward_table(table: RewardTable, path: str | Path) -> None:
@@ -115,17 +171,28 @@ def save_reward_table(table: RewardTable, path: str | Path) -> None:
         data: dict = {"rewards": [{p: r.tolist() for p, r in it.items()} for it in table.iterations]}
         if table.group_size is not None:
             data["group_size"] = table.group_size
+        if table.explored is not None:
+            data["explored"] = [{p: it[p].tolist() for p in fresh} for fresh, it in zip(table.iterations, table.explored)]
+        if table.staleness is not None:
+            data["staleness"] = table.staleness
         path.write_text(json.dumps(data))
     elif path.suffix == ".npz":
         num_p = max(len(it) for it in table.iterations)
         num_n = max(table.max_candidates(k) for k in range(len(table.iterations)))
         rewards = np.full((len(table.iterations), num_p, num_n), np.nan)
+        stale = np.full_like(rewards, np.nan)
         prompts = np.full((len(table.iterations), num_p), "", dtype=object)
         counts = np.zeros((len(table.iterations), num_p), dtype=np.int64)
         for k, it in enumerate(table.iterations):
             for j, (p, r) in enumerate(it.items()):
                 rewards[k, j, : r.size], prompts[k, j], counts[k, j] = r, p, r.size
+                if table.explored is not None:
+                    stale[k, j, : r.size] = table.explored[k][p]
         extra = {} if table.group_size is None else {"group_size": np.int64(table.group_size)}
+        if table.explored is not None:
+            extra["explored"] = stale
+        if table.staleness is not None:
+            extra["staleness"] = np.int64(table.staleness)
         np.savez(path, rewards=rewards, prompts=prompts.astype(str), num_candidates=counts, **extra)
     else:
         raise ValueError(f"reward table {str(path)!r}: use a .json or .npz file")
@@ -192,6 +259,7 @@ def replay(
     group_size: int,
     budget_fraction: float,
     oracle: bool = True,
+    in_sample: bool = False,
 ) -> ReplayResult:
     """Replay `table` with every planner (and the hindsight oracle as "oracle").
 
@@ -200,12 +268,19 @@ def replay(
     planner observes, per prompt, the candidates it explored, or for an unexplored prompt its
     first G seeds (the rollout group of random seeds) -- what the iteration reveals in training.
 
+    With `table.explored` (and `in_sample` False) the replay is out of sample: groups are chosen
+    by the explored (stale) rewards and scored on the fresh ones, explored candidates are observed
+    with their stale rewards and unexplored prompts with their rollout's fresh ones. The oracle
+    keeps hindsight: it allocates and selects by the fresh rewards, the bound a stale planner
+    approaches.
+
     Args:
         table: the reward table.
         planners: name -> planner (the replay changes them through `observe`).
         group_size: G.
         budget_fraction: exploration budget as a fraction of exploring every candidate.
         oracle: add the hindsight `OraclePlanner` under the name "oracle".
+        in_sample: ignore `table.explored` (choose and score groups by the same rewards).
     """
     if not 0 <= budget_fraction <= 1:
         raise ValueError(f"budget_fraction must be in [0, 1], got {budget_fraction}")
@@ -218,7 +293,9 @@ def replay(
         zero_variance_groups=dict.fromkeys(names, 0),
         samples_spent=dict.fromkeys(names, 0),
     )
+    explored = None if in_sample else table.explored
     for k, rewards in enumerate(table.iterations):
+        stale = rewards if explored is None else explored[k]
         prompts = list(rewards)
         max_n = table.max_candidates(k)
         # With G or fewer candidates per prompt there is nothing to choose from.
@@ -228,14 +305,18 @@ def replay(
         for name in names:
             planner = OraclePlanner(rewards) if name == "oracle" else planners[name]
             alloc = planner.plan(prompts, budget, group_size=group_size, max_candidates=cap)
-            values = [captured_variance(rewards[p], alloc[p], group_size) for p in prompts]
+            by = rewards if name == "oracle" else stale
+            values = [captured_variance(rewards[p], alloc[p], group_size, selected_by=by[p]) for p in prompts]
             result.per_iteration[name].append(float(sum(values)))
             result.captured[name] += float(sum(values))
             result.zero_variance_groups[name] += sum(v == 0.0 for v in values)
             result.samples_spent[name] += alloc.total()
             if name != "oracle":
                 planner.observe(
-                    [Observation(p, rewards[p][: alloc[p] or group_size], iteration=k) for p in prompts]
+                    [
+                        Observation(p, stale[p][: alloc[p]] if alloc[p] else rewards[p][:group_size], iteration=k)
+                        for p in prompts
+                    ]
                 )
     return result
 

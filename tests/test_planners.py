@@ -378,3 +378,87 @@ def test_benchmark_reads_the_budget_a_run_measured(tmp_path):
     (run / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
     bad = subprocess.run([*cmd, "--budget-from", str(run)], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode != 0 and "no window with a measured budget" in bad.stderr
+
+
+def test_captured_variance_out_of_sample_chooses_by_one_reward_and_scores_by_the_other():
+    fresh = np.array([0.0, 1.0, 0.2, 0.9, 0.5, 0.5])
+    # In sample, the extremes (G=2) of all six: 1.0 and 0.0.
+    assert captured_variance(fresh, 6, 2) == pytest.approx(group_variance([1.0, 0.0]))
+    assert captured_variance(fresh, 6, 2, selected_by=fresh) == captured_variance(fresh, 6, 2)
+    # Stale scores that rank the middle seeds at the ends choose 0.5 and 0.5: no fresh variance.
+    stale = np.array([0.5, 0.5, 0.5, 0.5, 1.0, 0.0])
+    assert captured_variance(fresh, 6, 2, selected_by=stale) == 0.0
+    # An unexplored prompt keeps its first G seeds whatever the stale scores say.
+    assert captured_variance(fresh, 0, 2, selected_by=stale) == pytest.approx(group_variance([0.0, 1.0]))
+    with pytest.raises(ValueError, match="5 rewards for 6 candidates"):
+        captured_variance(fresh, 6, 2, selected_by=stale[:5])
+
+
+def _with_explored(table: RewardTable, explored: list[dict[str, np.ndarray]]) -> RewardTable:
+    return RewardTable(table.iterations, table.group_size, table.source, explored, staleness=1)
+
+
+def test_replay_out_of_sample_selects_by_the_explored_rewards():
+    table = synthetic_reward_table(seed=3, num_iterations=8, pool_size=24, prompts_per_iteration=8, num_candidates=32)
+    planners = lambda: {"bandit": BanditPlanner(seed=0), "uniform": UniformPlanner(seed=0), "none": NonePlanner()}  # noqa: E731
+    kw = {"group_size": 8, "budget_fraction": 0.6}
+    in_sample = replay(table, planners(), **kw).captured
+    # Explored rewards equal to the fresh ones: the same replay, figure for figure.
+    same = replay(_with_explored(table, table.iterations), planners(), **kw).captured
+    assert same == in_sample
+    # Explored rewards that carry no information about the fresh ones (noise): selection loses
+    # most of what it gained over random seeds in sample (a blind pick of G is a random group),
+    # while the oracle (hindsight, fresh rewards) keeps its figure.
+    rng = np.random.default_rng(0)
+    noise = [{p: rng.random(r.size) for p, r in it.items()} for it in table.iterations]
+    blind_table = _with_explored(table, noise)
+    blind = replay(blind_table, planners(), **kw).captured
+    assert blind["oracle"] == in_sample["oracle"]
+    none = in_sample["none"]
+    assert blind["none"] == none
+    for name in ("uniform", "bandit"):
+        assert in_sample[name] > 1.2 * none
+        assert blind[name] - none < 0.25 * (in_sample[name] - none), (name, blind[name], in_sample[name], none)
+    # in_sample=True ignores the explored rewards.
+    assert replay(blind_table, planners(), **kw, in_sample=True).captured == in_sample
+
+
+@pytest.mark.parametrize("suffix", [".json", ".npz"])
+def test_reward_table_with_explored_rewards_round_trips(tmp_path, suffix):
+    fresh = [{"a": np.array([0.0, 1.0, 0.5]), "b": np.array([0.5, 0.25])}]
+    stale = [{"a": np.array([0.1, 0.9, 0.4]), "b": np.array([0.5, 0.0])}]
+    path = tmp_path / f"t{suffix}"
+    save_reward_table(RewardTable(fresh, 2, explored=stale, staleness=1), path)
+    loaded = load_reward_table(path)
+    assert loaded.staleness == 1 and loaded.explored is not None
+    for p in ("a", "b"):
+        np.testing.assert_array_equal(loaded.explored[0][p], stale[0][p])
+        np.testing.assert_array_equal(loaded.iterations[0][p], fresh[0][p])
+    with pytest.raises(ValueError, match="prompt 'b': 1 explored rewards for 2 candidates"):
+        RewardTable(fresh, 2, explored=[{"a": stale[0]["a"], "b": np.array([0.5])}])
+    with pytest.raises(ValueError, match="different prompts"):
+        RewardTable(fresh, 2, explored=[{"a": stale[0]["a"]}])
+
+
+def test_benchmark_scores_out_of_sample_and_tunes_on_another_table(tmp_path):
+    """A stale table is scored out of sample, beside its in-sample figures; --tune-on picks settings elsewhere."""
+    kw = {"num_iterations": 3, "pool_size": 8, "prompts_per_iteration": 4, "num_candidates": 16}
+    table = synthetic_reward_table(seed=1, **kw)
+    rng = np.random.default_rng(1)
+    noisy = [{p: r + rng.normal(0, 0.3, r.size) for p, r in it.items()} for it in table.iterations]
+    save_reward_table(_with_explored(table, noisy), tmp_path / "stale.npz")
+    save_reward_table(synthetic_reward_table(seed=2, **kw), tmp_path / "other.npz")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "planner.py"), "--table", str(tmp_path / "stale.npz"),
+         "--tune-on", str(tmp_path / "other.npz")],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    ).stdout.strip().splitlines()  # fmt: skip
+    assert len(out) == 1
+    result = json.loads(out[0])
+    assert result["scored"] == "out_of_sample" and result["staleness"] == 1 and result["baseline"].startswith("uniform")
+    assert result["in_sample"]["vs_oracle"] != result["vs_oracle"]
+    tuned = result["tuned"]
+    assert tuned["tune_table"].endswith("other.npz") and tuned["trials"] == 36
+    assert set(tuned["chosen"]) == {"family", "discount", "prior_strength"}
+    # The chosen settings are the best of the trials on the tuning table, so at least the defaults' figure there.
+    assert tuned["chosen_on_tune_table"]["vs_uniform"] >= tuned["defaults_on_tune_table"]["vs_uniform"]

@@ -121,3 +121,29 @@ def test_record_reward_table_tiny_run(bench, tiny_model_dir, tmp_path):
     recorded = table.iterations[0]
     assert list(recorded) == prompts[::4]
     np.testing.assert_array_equal(np.stack([recorded[p][:4] for p in prompts[::4]]), rollout_rewards)
+
+
+def test_record_reward_table_with_stale_rewards(bench, tiny_model_dir, tmp_path):
+    """--staleness 1: iteration k's candidates are also scored with θ_{k-1}. At iteration 1 that is
+    the initial weights, so a fresh, untrained build of the run scores them the same."""
+    stale_ranking, record = bench
+    out = tmp_path / "table.npz"
+    overrides = [*tiny_overrides(tiny_model_dir), JPEG, "train.lr=1e-2"]
+    line = record.main(["--iterations", "2", "--candidates", "6", "--staleness", "1", "--out", str(out), "--quiet", *overrides])
+    assert line["staleness"] == 1
+    table = load_reward_table(out)
+    assert table.staleness == 1 and table.explored is not None and len(table.explored) == 2
+    # Iteration 0: θ_{-1} does not exist; θ_0 stands in, which is the rollout's own weights.
+    for p, r in table.iterations[0].items():
+        np.testing.assert_array_equal(table.explored[0][p], r)
+
+    from spotlight.train import plan_iteration
+
+    run = stale_ranking.build_run(stale_ranking.DEFAULT_RECIPE, overrides)  # θ_0
+    prompts, _, sde_steps = plan_iteration(run.cfg, run.train_prompts, 1)
+    groups = prompts[::4]
+    seeds = [s for p in range(len(groups)) for s in record.candidate_seeds(run.cfg.train.seed, 1, p, 0, 6)]
+    theta0 = stale_ranking.sample_rewards(run, run.policy, [p for p in groups for _ in range(6)], seeds, sde_steps).reshape(len(groups), 6)
+    np.testing.assert_array_equal(np.stack([table.explored[1][p] for p in groups]), theta0)
+    # The fresh rewards of iteration 1 come from θ_1, after one update at a large learning rate.
+    assert not np.array_equal(np.stack([table.iterations[1][p] for p in groups]), theta0)
