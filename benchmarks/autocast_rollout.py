@@ -66,11 +66,18 @@ def main() -> None:
     def run(autocast: str):
         t = time.perf_counter()
         ro = rollout(
-            policy, prompts, seeds, sigmas,
-            noise_level=s.noise_level, sde_steps=sde_steps, sde_type=s.sde_type,
-            guidance_scale=s.guidance_scale, negative_prompt=s.negative_prompt,
-            batch_size=s.batch_size, autocast=autocast,
-        )  # fmt: skip
+            policy,
+            prompts,
+            seeds,
+            sigmas,
+            noise_level=s.noise_level,
+            sde_steps=sde_steps,
+            sde_type=s.sde_type,
+            guidance_scale=s.guidance_scale,
+            negative_prompt=s.negative_prompt,
+            batch_size=s.batch_size,
+            autocast=autocast,
+        )
         return time.perf_counter() - t, ro
 
     run("none"), run(args.dtype)  # warm-up: kernels, allocator

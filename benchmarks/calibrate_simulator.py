@@ -51,9 +51,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from preemption_replay import (  # noqa: E402
-    add_replay_arguments, bench_recipe, make_jobs, node_speed, run_on_replay, start_pool, tear_down, wait_groups,
-)  # fmt: skip
+from preemption_replay import (
+    add_replay_arguments,
+    bench_recipe,
+    make_jobs,
+    node_speed,
+    run_on_replay,
+    start_pool,
+    tear_down,
+    wait_groups,
+)
 
 
 def main() -> None:
@@ -64,10 +71,14 @@ def main() -> None:
     p.set_defaults(compress=20.0, commit_every=5)
     p.add_argument("--repeats", type=int, default=3, help="real runs (each with its own seed)")
     p.add_argument("--tolerance", type=float, default=0.2)
-    p.add_argument("--test-runs", type=int, default=2, help="out-of-sample runs, predicted with the first run's profile")
+    p.add_argument(
+        "--test-runs", type=int, default=2, help="out-of-sample runs, predicted with the first run's profile"
+    )
     p.add_argument("--test-nodes", type=int, help="their trace's nodes (default: --nodes + 1)")
     p.add_argument("--test-steps", type=int, help="their job length in steps (default: 2 x --steps)")
-    p.add_argument("--sim-samples", type=int, default=16, help="simulations per run, step phases jittered; figures are means")
+    p.add_argument(
+        "--sim-samples", type=int, default=16, help="simulations per run, step phases jittered; figures are means"
+    )
     p.add_argument("--step-jitter", type=float, default=0.1, help="relative spread of a simulated step's time")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -77,7 +88,9 @@ def main() -> None:
     sys.stdout = sys.stderr
     logging.basicConfig(level=logging.WARNING if args.json else logging.INFO, format="%(message)s")
     speeds = [float(s) for s in args.speeds.split(",")]
-    test_args = argparse.Namespace(**{**vars(args), "nodes": args.test_nodes or args.nodes + 1, "steps": args.test_steps or 2 * args.steps})
+    test_args = argparse.Namespace(
+        **{**vars(args), "nodes": args.test_nodes or args.nodes + 1, "steps": args.test_steps or 2 * args.steps}
+    )
     plan = [(args, rep) for rep in range(args.repeats)] + [(test_args, 100 + i) for i in range(args.test_runs)]
     runs = real_runs(plan, speeds)
     fit, tests = runs[: args.repeats], runs[args.repeats :]
@@ -91,13 +104,27 @@ def main() -> None:
         return round(abs(s - m) / m, 4) if m else (0.0 if s == 0 else None)
 
     e_wall, e_lost = err(meas_wall, sim_wall), err(meas_lost, sim_lost)
-    oos_wall = err(sum(r["measured_wall_s"] for r in test_rows), sum(r["simulated_wall_s"] for r in test_rows)) if test_rows else None
-    oos_cost = err(sum(r["measured_node_s"] for r in test_rows), sum(r["simulated_node_s"] for r in test_rows)) if test_rows else None
+    oos_wall = (
+        err(sum(r["measured_wall_s"] for r in test_rows), sum(r["simulated_wall_s"] for r in test_rows))
+        if test_rows
+        else None
+    )
+    oos_cost = (
+        err(sum(r["measured_node_s"] for r in test_rows), sum(r["simulated_node_s"] for r in test_rows))
+        if test_rows
+        else None
+    )
     # Reported, not held to the tolerance: two runs' ~50 lost steps are within chance of any prediction (above).
-    oos_lost = err(sum(r["measured_lost_steps"] for r in test_rows), sum(r["simulated_lost_steps"] for r in test_rows)) if test_rows else None
+    oos_lost = (
+        err(sum(r["measured_lost_steps"] for r in test_rows), sum(r["simulated_lost_steps"] for r in test_rows))
+        if test_rows
+        else None
+    )
     errors = [e_wall, e_lost] + ([oos_wall, oos_cost] if test_rows else [])
     result = {
-        "baseline": "the real runs: tiny denoising jobs under the pull scheduler on a local Ray cluster replaying the trace",
+        "baseline": (
+            "the real runs: tiny denoising jobs under the pull scheduler on a local Ray cluster replaying the trace"
+        ),
         "wall_s": {"measured": round(meas_wall, 2), "simulated": round(sim_wall, 2), "error": e_wall},
         "work_lost_steps": {"measured": meas_lost, "simulated": sim_lost, "error": e_lost},
         "out_of_sample_wall_error": oos_wall,
@@ -117,11 +144,16 @@ def fitted_trace(args, seed: int):
     from spot.traces import synthetic_trace
 
     if args.trace is not None:
-        return fit_trace(args.trace, nodes=args.nodes, window_s=args.window_s, compress=args.compress, notice_s=args.notice_s)[0]
+        return fit_trace(
+            args.trace, nodes=args.nodes, window_s=args.window_s, compress=args.compress, notice_s=args.notice_s
+        )[0]
     trace = synthetic_trace(
-        num_nodes=args.nodes, duration_s=args.window_s, preemptions_per_node_hour=args.rate,
-        replacement_delay_s=120.0, seed=seed,
-    ).compressed(args.compress)  # fmt: skip
+        num_nodes=args.nodes,
+        duration_s=args.window_s,
+        preemptions_per_node_hour=args.rate,
+        replacement_delay_s=120.0,
+        seed=seed,
+    ).compressed(args.compress)
     return trace.with_notices(args.notice_s / args.compress) if args.notice_s > 0 else trace
 
 
@@ -143,7 +175,9 @@ def real_runs(plan: list, speeds: list[float]) -> list[dict]:
             n_jobs = args.jobs or max(2 * args.nodes, int(0.6 * cap_s / (args.steps * args.step_s)))
             run = one_run(cluster, trace, cfg, make_jobs(args, n_jobs, rep), speeds, args)
             run["trace"] = trace.summary()
-            logging.info("run %d: %s", rep, {k: v for k, v in run.items() if k in ("wall_s", "recomputed_steps", "jobs")})
+            logging.info(
+                "run %d: %s", rep, {k: v for k, v in run.items() if k in ("wall_s", "recomputed_steps", "jobs")}
+            )
             runs.append(run)
     finally:
         cluster.shutdown()
@@ -176,7 +210,9 @@ def one_run(cluster, trace, cfg, jobs, speeds, args) -> dict:
         sched.submit(jobs)
         report = run_on_replay(sched, replayer, timeout_s=600)
         offset = replayer.started_at - sched.started_at  # replayer times -> the run's clock
-        applied = [(0.0 if ev.t_s <= 0 and ev.at_s == 0.0 else ev.at_s + offset, ev.kind, ev.node) for ev in replayer.applied]
+        applied = [
+            (0.0 if ev.t_s <= 0 and ev.at_s == 0.0 else ev.at_s + offset, ev.kind, ev.node) for ev in replayer.applied
+        ]
         worker_node = {wid: names.get(w.node_id) for wid, w in pool.workers.items()}
         final = sched.close()
         sched = None
@@ -278,14 +314,24 @@ def simulate_run(run: dict, args, speeds: list[float], fitted=None) -> dict:
         else:
             lead = t - notice_at.pop(node) if node in notice_at else None
             events.append(TraceEvent(t, node, "preempt", lead))
-    trace = Trace(tuple(events), duration_s=max([e.t_s for e in events] + [run["wall_s"]]), source="applied", format="replayed")
+    trace = Trace(
+        tuple(events), duration_s=max([e.t_s for e in events] + [run["wall_s"]]), source="applied", format="replayed"
+    )
     jobs = [Job(i, num_steps=args.steps) for i in range(run["jobs"])]
     walls, lost, held = [], [], []
     for seed in range(args.sim_samples):  # the expectation over step phases (see Cluster.step_jitter)
         loop = EventLoop()
-        cluster = Cluster(loop, profile, trace, on_demand_gpus=0, wrap=False, initial_ready=True,
-                          node_speed=lambda name: rel_speed[node_speed(name, speeds)],
-                          step_jitter=args.step_jitter if args.sim_samples > 1 else 0.0, seed=seed)  # fmt: skip
+        cluster = Cluster(
+            loop,
+            profile,
+            trace,
+            on_demand_gpus=0,
+            wrap=False,
+            initial_ready=True,
+            node_speed=lambda name: rel_speed[node_speed(name, speeds)],
+            step_jitter=args.step_jitter if args.sim_samples > 1 else 0.0,
+            seed=seed,
+        )
         res = cluster.run_phase(jobs, args.steps, pools=(True,))
         walls.append(res.end_s - res.start_s)
         lost.append(res.recomputed_steps)
@@ -302,8 +348,11 @@ def simulate_run(run: dict, args, speeds: list[float], fitted=None) -> dict:
         "measured_node_s": round(held_node_s(run["applied"], run["wall_s"]), 2),
         "simulated_node_s": round(statistics.mean(held), 2),
         "lost_or_duplicated": run["lost"] + run["duplicated"],
-        "profile": {k: round(v, 4) if isinstance(v, float) else v for k, v in profile.to_dict().items()
-                    if k in ("job_step_s", "node_startup_s", "detect_s")},  # fmt: skip
+        "profile": {
+            k: round(v, 4) if isinstance(v, float) else v
+            for k, v in profile.to_dict().items()
+            if k in ("job_step_s", "node_startup_s", "detect_s")
+        },
         "relative_speeds": {str(k): round(v, 3) for k, v in rel_speed.items()},
     }
 

@@ -94,10 +94,17 @@ class Copy:
         if isinstance(cache, PromptCache):
             self.embeddings = cache.lookup(sorted(set(prompts)))
         ro: Rollout = rollout(
-            self.policy, prompts, seeds, self.sigmas,
-            noise_level=s.noise_level, sde_steps=sde_steps, sde_type=s.sde_type,
-            guidance_scale=s.guidance_scale, negative_prompt=s.negative_prompt, batch_size=s.batch_size,
-        )  # fmt: skip
+            self.policy,
+            prompts,
+            seeds,
+            self.sigmas,
+            noise_level=s.noise_level,
+            sde_steps=sde_steps,
+            sde_type=s.sde_type,
+            guidance_scale=s.guidance_scale,
+            negative_prompt=s.negative_prompt,
+            batch_size=s.batch_size,
+        )
         reward = self.reward_fn(ro.images, prompts)
         adv = group_advantages(reward.total_B.view(P, G), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip)
         self.trainer.update(ro, adv, it)
@@ -114,7 +121,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line (the default output too)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per copy (after one warm-up step)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 keeps torch's default")
-    parser.add_argument("--prefetch", action="store_true", help="compare cached copies with and without prefetch instead")
+    parser.add_argument(
+        "--prefetch", action="store_true", help="compare cached copies with and without prefetch instead"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted recipe overrides (default: the tiny-shapes recipe)")
     args = parser.parse_args()
     if args.threads:
@@ -151,27 +160,31 @@ def main() -> None:
     sa, sb = (copies[k].policy.transformer.state_dict() for k in ("uncached", "cached"))
     weights_identical = all(torch.equal(sa[k], sb[k]) for k in sa)
     step_s = {k: min(v) for k, v in seconds.items()}
-    print(json.dumps({
-        "baseline": "the same step encoding the prompt at every denoising step (uncached)",
-        "encoder_calls_per_prompt_per_step": {k: statistics.mean(v) for k, v in calls.items()},
-        "images_identical": images_identical,
-        "latents_identical": latents_identical,
-        "weights_identical": weights_identical,
-        "step_time_ratio_uncached_over_cached": round(step_s["uncached"] / step_s["cached"], 4),
-        "step_seconds_min": {k: round(v, 3) for k, v in step_s.items()},
-        "step_seconds_median": {k: round(statistics.median(v), 3) for k, v in seconds.items()},
-        "encoder_seconds_per_step": {k: round(statistics.mean(v), 4) for k, v in encoder_s.items()},
-        "encoder_forwards_per_step": {k: statistics.mean(v) for k, v in forwards.items()},
-        "encoder_share_of_step": {k: round(sum(encoder_s[k]) / sum(seconds[k]), 5) for k in copies},
-        "held_kib_cached": round(max(held_bytes) / 1024, 1),
-        "prompts": cfg.train.prompts_per_iteration,
-        "group_size": cfg.train.group_size,
-        "denoising_steps": cfg.sample.num_steps,
-        "objective": cfg.train.objective,
-        "guidance_scale": cfg.sample.guidance_scale,
-        "timed_steps": args.repeats,
-        "threads": torch.get_num_threads(),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "baseline": "the same step encoding the prompt at every denoising step (uncached)",
+                "encoder_calls_per_prompt_per_step": {k: statistics.mean(v) for k, v in calls.items()},
+                "images_identical": images_identical,
+                "latents_identical": latents_identical,
+                "weights_identical": weights_identical,
+                "step_time_ratio_uncached_over_cached": round(step_s["uncached"] / step_s["cached"], 4),
+                "step_seconds_min": {k: round(v, 3) for k, v in step_s.items()},
+                "step_seconds_median": {k: round(statistics.median(v), 3) for k, v in seconds.items()},
+                "encoder_seconds_per_step": {k: round(statistics.mean(v), 4) for k, v in encoder_s.items()},
+                "encoder_forwards_per_step": {k: statistics.mean(v) for k, v in forwards.items()},
+                "encoder_share_of_step": {k: round(sum(encoder_s[k]) / sum(seconds[k]), 5) for k in copies},
+                "held_kib_cached": round(max(held_bytes) / 1024, 1),
+                "prompts": cfg.train.prompts_per_iteration,
+                "group_size": cfg.train.group_size,
+                "denoising_steps": cfg.sample.num_steps,
+                "objective": cfg.train.objective,
+                "guidance_scale": cfg.sample.guidance_scale,
+                "timed_steps": args.repeats,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 def compare_prefetch(cfg: DiTRecipe, train_prompts: list[str], repeats: int) -> None:
@@ -207,32 +220,38 @@ def compare_prefetch(cfg: DiTRecipe, train_prompts: list[str], repeats: int) -> 
     saved_se = statistics.stdev(saved) / len(saved) ** 0.5 if len(saved) > 1 else float("inf")
     # The encoder's time on the step's path without prefetch, less what is left on it with prefetch.
     hidden = statistics.mean(encoder_s["no_prefetch"]) - statistics.mean(wait_s["prefetch"])
-    print(json.dumps({
-        "baseline": "the same step encoding its prompts on the critical path (train.prefetch_prompts=false)",
-        "mode": "prefetch",
-        "encoder_seconds_hidden_per_step": round(hidden, 5),
-        "encoder_seconds_per_step": {k: round(statistics.mean(v), 5) for k, v in encoder_s.items()},
-        "wait_seconds_per_step": {k: round(statistics.mean(v), 5) for k, v in wait_s.items()},
-        "step_time_ratio_no_prefetch_over_prefetch": round(step_min["no_prefetch"] / step_min["prefetch"], 4),
-        "step_seconds_min": {k: round(v, 3) for k, v in step_min.items()},
-        "step_seconds_median": {k: round(statistics.median(v), 3) for k, v in seconds.items()},
-        "step_seconds_saved_mean": round(saved_mean, 4),
-        "step_seconds_saved_stderr": round(saved_se, 4),
-        "saving_within_noise": abs(saved_mean) <= 2 * saved_se,
-        "encoder_share_of_step_no_prefetch": round(sum(encoder_s["no_prefetch"]) / sum(seconds["no_prefetch"]), 5),
-        "steps_prefetched": sum(prefetched),
-        "images_identical": identical["images"],
-        "latents_identical": identical["latents"],
-        "embeddings_identical": identical["embeddings"],
-        "weights_identical": all(torch.equal(sa[k], sb[k]) for k in sa),
-        "prompts": cfg.train.prompts_per_iteration,
-        "group_size": cfg.train.group_size,
-        "denoising_steps": cfg.sample.num_steps,
-        "objective": cfg.train.objective,
-        "guidance_scale": cfg.sample.guidance_scale,
-        "timed_steps": repeats,
-        "threads": torch.get_num_threads(),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "baseline": "the same step encoding its prompts on the critical path (train.prefetch_prompts=false)",
+                "mode": "prefetch",
+                "encoder_seconds_hidden_per_step": round(hidden, 5),
+                "encoder_seconds_per_step": {k: round(statistics.mean(v), 5) for k, v in encoder_s.items()},
+                "wait_seconds_per_step": {k: round(statistics.mean(v), 5) for k, v in wait_s.items()},
+                "step_time_ratio_no_prefetch_over_prefetch": round(step_min["no_prefetch"] / step_min["prefetch"], 4),
+                "step_seconds_min": {k: round(v, 3) for k, v in step_min.items()},
+                "step_seconds_median": {k: round(statistics.median(v), 3) for k, v in seconds.items()},
+                "step_seconds_saved_mean": round(saved_mean, 4),
+                "step_seconds_saved_stderr": round(saved_se, 4),
+                "saving_within_noise": abs(saved_mean) <= 2 * saved_se,
+                "encoder_share_of_step_no_prefetch": round(
+                    sum(encoder_s["no_prefetch"]) / sum(seconds["no_prefetch"]), 5
+                ),
+                "steps_prefetched": sum(prefetched),
+                "images_identical": identical["images"],
+                "latents_identical": identical["latents"],
+                "embeddings_identical": identical["embeddings"],
+                "weights_identical": all(torch.equal(sa[k], sb[k]) for k in sa),
+                "prompts": cfg.train.prompts_per_iteration,
+                "group_size": cfg.train.group_size,
+                "denoising_steps": cfg.sample.num_steps,
+                "objective": cfg.train.objective,
+                "guidance_scale": cfg.sample.guidance_scale,
+                "timed_steps": repeats,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spotlight.config import DiTRecipe  # noqa: E402
-from spotlight.config_io import load_config  # noqa: E402
-from spotlight.tracking import read_metrics  # noqa: E402
-from spotlight.train import run_training  # noqa: E402
+from spotlight.config import DiTRecipe
+from spotlight.config_io import load_config
+from spotlight.tracking import read_metrics
+from spotlight.train import run_training
 
 WINDOWS = ("update", "iteration")
 SKIP = 2
@@ -77,9 +77,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, alternating which window goes first")
     args = parser.parse_args()
     base = [
-        "explore.mode=stale", f"train.num_iterations={args.iterations}", "train.max_minutes=0",
-        "log.images_every=0", "log.checkpoint_every=100000", "log.wandb_mode=disabled", *args.overrides,
-    ]  # fmt: skip
+        "explore.mode=stale",
+        f"train.num_iterations={args.iterations}",
+        "train.max_minutes=0",
+        "log.images_every=0",
+        "log.checkpoint_every=100000",
+        "log.wandb_mode=disabled",
+        *args.overrides,
+    ]
     runs: dict[str, list[dict]] = {w: [] for w in WINDOWS}
     with tempfile.TemporaryDirectory(prefix="explore-window-") as tmp:
         for rep in range(args.repeats):
@@ -90,13 +95,17 @@ def main() -> None:
                 result = summarize_run(read_metrics(run_dir))
                 runs[window].append(result)
                 print(f"{window} #{rep}: {result}", file=sys.stderr)
-    print(json.dumps({
-        "baseline": "explore.window=update (exploration within the update alone)",
-        **ratios(runs),
-        "iterations": args.iterations,
-        "repeats": args.repeats,
-        "runs": {w: [{k: round(v, 3) for k, v in r.items()} for r in rs] for w, rs in runs.items()},
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "baseline": "explore.window=update (exploration within the update alone)",
+                **ratios(runs),
+                "iterations": args.iterations,
+                "repeats": args.repeats,
+                "runs": {w: [{k: round(v, 3) for k, v in r.items()} for r in rs] for w, rs in runs.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

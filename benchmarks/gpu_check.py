@@ -102,9 +102,16 @@ PROMPTS = [
 ]
 NO_CUDA = {"skipped": "no CUDA device"}
 CHECKS = (
-    "sampling", "train_step", "train_step_gc", "ulysses_degree1", "bf16_vs_fp32",
-    "ulysses_multiproc", "diffusers_cp", "xfuser", "sp_backend_xfuser",
-)  # fmt: skip
+    "sampling",
+    "train_step",
+    "train_step_gc",
+    "ulysses_degree1",
+    "bf16_vs_fp32",
+    "ulysses_multiproc",
+    "diffusers_cp",
+    "xfuser",
+    "sp_backend_xfuser",
+)
 
 
 @dataclass(frozen=True)
@@ -142,13 +149,22 @@ class Shape:
     def overrides(self, folder: Path, device: str, gc_on: bool) -> list[str]:
         """Dotted overrides of the recipe for this shape and model folder."""
         return [
-            f"model.path={folder}", f"model.height={self.height}", f"model.width={self.height}",
-            f"model.max_text_tokens={self.text_tokens}", f"model.dtype={self.dtype}", f"model.device={device}",
-            f"model.gradient_checkpointing={str(gc_on).lower()}", f"sample.num_steps={self.num_steps}",
-            f"sample.sde_window_size={self.sde_window}", f"sample.sde_window_range=[0,{self.num_steps - self.sde_window}]",
-            f"sample.batch_size={self.samples}", f"train.prompts_per_iteration={self.prompts}", f"train.group_size={self.group}",
-            f"train.minibatch_size={self.samples}", "reward.weights={jpeg_compressibility: 1.0}",
-        ]  # fmt: skip
+            f"model.path={folder}",
+            f"model.height={self.height}",
+            f"model.width={self.height}",
+            f"model.max_text_tokens={self.text_tokens}",
+            f"model.dtype={self.dtype}",
+            f"model.device={device}",
+            f"model.gradient_checkpointing={str(gc_on).lower()}",
+            f"sample.num_steps={self.num_steps}",
+            f"sample.sde_window_size={self.sde_window}",
+            f"sample.sde_window_range=[0,{self.num_steps - self.sde_window}]",
+            f"sample.batch_size={self.samples}",
+            f"train.prompts_per_iteration={self.prompts}",
+            f"train.group_size={self.group}",
+            f"train.minibatch_size={self.samples}",
+            "reward.weights={jpeg_compressibility: 1.0}",
+        ]
 
 
 def real_shape(num_layers: int) -> Shape:
@@ -157,22 +173,56 @@ def real_shape(num_layers: int) -> Shape:
     from spotlight.plan import QWEN_IMAGE_VAE
 
     return Shape(
-        height=512, num_layers=num_layers, heads=T["num_attention_heads"], head_dim=T["attention_head_dim"],
-        rope=tuple(T["axes_dims_rope"]), latent_channels=QWEN_IMAGE_VAE["z_dim"], vae=dict(QWEN_IMAGE_VAE),
-        text_hidden=T["joint_attention_dim"], text_heads=28, text_kv_heads=4, text_mlp=18944, mrope=(16, 24, 24),
-        text_tokens=64, prompts=2, group=4, num_steps=10, sde_window=2,
-    )  # fmt: skip
+        height=512,
+        num_layers=num_layers,
+        heads=T["num_attention_heads"],
+        head_dim=T["attention_head_dim"],
+        rope=tuple(T["axes_dims_rope"]),
+        latent_channels=QWEN_IMAGE_VAE["z_dim"],
+        vae=dict(QWEN_IMAGE_VAE),
+        text_hidden=T["joint_attention_dim"],
+        text_heads=28,
+        text_kv_heads=4,
+        text_mlp=18944,
+        mrope=(16, 24, 24),
+        text_tokens=64,
+        prompts=2,
+        group=4,
+        num_steps=10,
+        sde_window=2,
+    )
 
 
 def tiny_shape() -> Shape:
     """The same structure at CPU size: 64x64 images, 64 image tokens, 4 heads of 16."""
-    vae = dict(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-               latents_mean=[0.0] * 4, latents_std=[1.0] * 4)  # fmt: skip
+    vae = dict(
+        base_dim=24,
+        z_dim=4,
+        dim_mult=[1, 2, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
     return Shape(
-        height=64, num_layers=2, heads=4, head_dim=16, rope=(4, 6, 6), latent_channels=4, vae=vae,
-        text_hidden=32, text_heads=2, text_kv_heads=2, text_mlp=64, mrope=(2, 3, 3),
-        text_tokens=16, prompts=2, group=2, num_steps=4, sde_window=2,
-    )  # fmt: skip
+        height=64,
+        num_layers=2,
+        heads=4,
+        head_dim=16,
+        rope=(4, 6, 6),
+        latent_channels=4,
+        vae=vae,
+        text_hidden=32,
+        text_heads=2,
+        text_kv_heads=2,
+        text_mlp=64,
+        mrope=(2, 3, 3),
+        text_tokens=16,
+        prompts=2,
+        group=2,
+        num_steps=4,
+        sde_window=2,
+    )
 
 
 # -- the model folder (configs only) and random models built from it ------------------------------
@@ -190,23 +240,46 @@ def write_model_folder(shape: Shape, folder: Path) -> Path:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text_cfg = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=shape.text_hidden, intermediate_size=shape.text_mlp, num_hidden_layers=1,
-            num_attention_heads=shape.text_heads, num_key_value_heads=shape.text_kv_heads, max_position_embeddings=1024,
+            vocab_size=len(tokenizer),
+            hidden_size=shape.text_hidden,
+            intermediate_size=shape.text_mlp,
+            num_hidden_layers=1,
+            num_attention_heads=shape.text_heads,
+            num_key_value_heads=shape.text_kv_heads,
+            max_position_embeddings=1024,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(shape.mrope)},
-            bos_token_id=ids["<|im_start|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+            bos_token_id=ids["<|im_start|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
         ),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=shape.text_hidden,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0]),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-    )  # fmt: skip
+        vision_config=dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=shape.text_hidden,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            fullatt_block_indexes=[0],
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
     text_cfg.save_pretrained(folder / "text_encoder")
     with torch.device("meta"):
         QwenImageTransformer2DModel(
-            patch_size=2, in_channels=4 * shape.latent_channels, out_channels=shape.latent_channels,
-            num_layers=shape.num_layers, attention_head_dim=shape.head_dim, num_attention_heads=shape.heads,
-            joint_attention_dim=shape.text_hidden, axes_dims_rope=shape.rope,
-        ).save_config(folder / "transformer")  # fmt: skip
+            patch_size=2,
+            in_channels=4 * shape.latent_channels,
+            out_channels=shape.latent_channels,
+            num_layers=shape.num_layers,
+            attention_head_dim=shape.head_dim,
+            num_attention_heads=shape.heads,
+            joint_attention_dim=shape.text_hidden,
+            axes_dims_rope=shape.rope,
+        ).save_config(folder / "transformer")
         AutoencoderKLQwenImage(**shape.vae).save_config(folder / "vae")
     return folder
 
@@ -239,10 +312,14 @@ def build_policy(folder: Path, shape: Shape, device: torch.device):
         text_encoder = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(folder / "text_encoder"))
         vae = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(folder / "vae"))
     policy = DiTPolicy(
-        transformer, text_encoder.to(dtype).eval().requires_grad_(False), AutoTokenizer.from_pretrained(folder / "tokenizer"),
+        transformer,
+        text_encoder.to(dtype).eval().requires_grad_(False),
+        AutoTokenizer.from_pretrained(folder / "tokenizer"),
         QwenImageVAECodec(vae.to(dtype).eval().requires_grad_(False)),
-        height=cfg.height, width=cfg.width, max_text_tokens=cfg.max_text_tokens,
-    )  # fmt: skip
+        height=cfg.height,
+        width=cfg.width,
+        max_text_tokens=cfg.max_text_tokens,
+    )
     policy.add_lora(cfg.lora_rank, cfg.lora_alpha or cfg.lora_rank)
     return policy
 
@@ -250,16 +327,19 @@ def build_policy(folder: Path, shape: Shape, device: torch.device):
 def forward_inputs(shape: Shape, device: torch.device, dtype: torch.dtype, batch: int = 2, seed: int = 3):
     """Transformer inputs (same on every process): latents, padded prompt embeddings, mask, sigma, shapes."""
     gen = torch.Generator().manual_seed(seed)
-    side = int(math.isqrt(shape.image_tokens))
+    side = math.isqrt(shape.image_tokens)
     latents = torch.randn(batch, shape.image_tokens, 4 * shape.latent_channels, generator=gen)
     embeds = torch.randn(batch, shape.text_tokens, shape.text_hidden, generator=gen)
     mask = torch.ones(batch, shape.text_tokens, dtype=torch.long)
     mask[0, shape.text_tokens * 3 // 4 :] = 0  # padded prompts, as DiTPolicy.encode_prompts makes them
     sigma = torch.linspace(0.9, 0.3, batch)
     return dict(
-        hidden_states=latents.to(device, dtype), encoder_hidden_states=embeds.to(device, dtype),
-        encoder_hidden_states_mask=mask.to(device), timestep=sigma.to(device, dtype), img_shapes=[[(1, side, side)]] * batch,
-    )  # fmt: skip
+        hidden_states=latents.to(device, dtype),
+        encoder_hidden_states=embeds.to(device, dtype),
+        encoder_hidden_states_mask=mask.to(device),
+        timestep=sigma.to(device, dtype),
+        img_shapes=[[(1, side, side)]] * batch,
+    )
 
 
 def stock_forward(model, inputs: dict) -> torch.Tensor:
@@ -369,11 +449,14 @@ def check_env(run: Run) -> dict:
 
     out = {
         "device": torch.cuda.get_device_name(0) if run.cuda else platform.processor() or platform.machine(),
-        "gpu_count": run.gpus, "python": platform.python_version(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if run.cuda else None,
+        "gpu_count": run.gpus,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if run.cuda else None,
         "nccl": str(torch.cuda.nccl.version()) if run.cuda else None,
         **{pkg: version(pkg) for pkg in ("diffusers", "transformers", "peft", "xfuser", "yunchang")},
-    }  # fmt: skip
+    }
     if run.cuda:
         out["gpu_mem_gib"] = round(torch.cuda.get_device_properties(0).total_memory / GIB, 2)
     return out
@@ -381,13 +464,19 @@ def check_env(run: Run) -> dict:
 
 def check_config(run: Run) -> dict:
     s = run.shape
-    out = {"mode": "tiny" if run.args.tiny else "small-real-shaped", "recipe": str(RECIPE.relative_to(REPO)), **asdict(s)}
+    out = {
+        "mode": "tiny" if run.args.tiny else "small-real-shaped",
+        "recipe": str(RECIPE.relative_to(REPO)),
+        **asdict(s),
+    }
     out.update(image_tokens=s.image_tokens, samples=s.samples)
     del out["vae"]
     with torch.device("meta"):
         from diffusers import QwenImageTransformer2DModel
 
-        meta = QwenImageTransformer2DModel.from_config(QwenImageTransformer2DModel.load_config(run.folder / "transformer"))
+        meta = QwenImageTransformer2DModel.from_config(
+            QwenImageTransformer2DModel.load_config(run.folder / "transformer")
+        )
     out["transformer_params"] = sum(p.numel() for p in meta.parameters())
     out["transformer_params_per_block"] = sum(p.numel() for p in meta.transformer_blocks[0].parameters())
     return out
@@ -405,7 +494,9 @@ def check_sampling(run: Run) -> dict:
     sigmas = qwen_image_sigmas(s.num_steps, policy.latent_shape[0])
     kwargs = dict(noise_level=cfg.sample.noise_level, sde_type=cfg.sample.sde_type, batch_size=cfg.sample.batch_size)
     t0 = run.clock.now()
-    rollout(policy, prompts, seeds, qwen_image_sigmas(2, policy.latent_shape[0]), **kwargs)  # warm-up (kernels, allocator)
+    rollout(
+        policy, prompts, seeds, qwen_image_sigmas(2, policy.latent_shape[0]), **kwargs
+    )  # warm-up (kernels, allocator)
     warmup_s = run.clock.now() - t0
     resident = fresh_peak(run.device)
     timer = ForwardTimer(policy.transformer, run.clock, run.device)
@@ -418,14 +509,21 @@ def check_sampling(run: Run) -> dict:
     run.rollout = ro
     n = len(timer.starts)
     return {
-        "samples": s.samples, "steps": s.num_steps, "sde_steps": ro.trajectory.sde_steps, "dtype": cfg.model.dtype,
-        "rollout_s": _r(total), "warmup_s": _r(warmup_s),
+        "samples": s.samples,
+        "steps": s.num_steps,
+        "sde_steps": ro.trajectory.sde_steps,
+        "dtype": cfg.model.dtype,
+        "rollout_s": _r(total),
+        "warmup_s": _r(warmup_s),
         "step_ms": _r(1e3 * (timer.starts[-1] - timer.starts[0]) / (n - 1)) if n > 1 else None,
-        "forward_ms": _r(1e3 * sum(timer.durations) / n), "resident_gib": resident,
-        "peak_denoise_gib": timer.peak_after_last, "peak_rollout_gib": peak_gib(run.device),
-        "images": list(ro.images.shape), "images_finite": bool(torch.isfinite(ro.images).all()),
+        "forward_ms": _r(1e3 * sum(timer.durations) / n),
+        "resident_gib": resident,
+        "peak_denoise_gib": timer.peak_after_last,
+        "peak_rollout_gib": peak_gib(run.device),
+        "images": list(ro.images.shape),
+        "images_finite": bool(torch.isfinite(ro.images).all()),
         "log_probs_finite": bool(torch.isfinite(ro.trajectory.log_probs).all()),
-    }  # fmt: skip
+    }
 
 
 def check_train(run: Run, gc_on: bool) -> dict:
@@ -460,19 +558,29 @@ def check_train(run: Run, gc_on: bool) -> dict:
     peak = peak_gib(run.device)
     changed = max((p.detach().cpu() - b).abs().max().item() for p, b in zip(trainer.params, before))
     mem_gib = torch.cuda.get_device_properties(0).total_memory / GIB if run.cuda else 24.0
-    plan = plan_recipe(str(RECIPE), run.shape.overrides(run.folder, run.device.type, gc_on), gpus=1, gpu_mem_gib=mem_gib)
+    plan = plan_recipe(
+        str(RECIPE), run.shape.overrides(run.folder, run.device.type, gc_on), gpus=1, gpu_mem_gib=mem_gib
+    )
     groups = {g: b / GIB for g, b in plan.role("trainer").by_group().items()}
     est, acts = sum(groups.values()), peak - resident if peak is not None else None
     return {
-        "gradient_checkpointing": gc_on, "samples": int(adv.trainable_PG.sum()), "trained_steps": len(ro.trajectory.sde_steps),
-        "update_s": _r(update_s), "warmup_s": _r(warmup_s),
-        "loss": _r(stats.get("loss")), "grad_norm": _r(stats.get("grad_norm")),
-        "params_changed": changed > 0, "max_param_change": _r(changed), "resident_gib": resident, "peak_gib": peak,
-        "plan_trainer_gib": round(est, 3), "plan_groups_gib": {g: round(v, 3) for g, v in groups.items()},
+        "gradient_checkpointing": gc_on,
+        "samples": int(adv.trainable_PG.sum()),
+        "trained_steps": len(ro.trajectory.sde_steps),
+        "update_s": _r(update_s),
+        "warmup_s": _r(warmup_s),
+        "loss": _r(stats.get("loss")),
+        "grad_norm": _r(stats.get("grad_norm")),
+        "params_changed": changed > 0,
+        "max_param_change": _r(changed),
+        "resident_gib": resident,
+        "peak_gib": peak,
+        "plan_trainer_gib": round(est, 3),
+        "plan_groups_gib": {g: round(v, 3) for g, v in groups.items()},
         "peak_over_plan": _r(peak / est) if peak is not None else None,
         "activations_gib": round(acts, 3) if acts is not None else None,
         "activations_over_plan": _r(acts / groups["activations"]) if acts is not None else None,
-    }  # fmt: skip
+    }
 
 
 def check_ulysses_degree1(run: Run) -> dict:
@@ -492,10 +600,14 @@ def check_ulysses_degree1(run: Run) -> dict:
     out = ulysses_forward(model, ctx, **inputs)
     t3 = run.clock.now()
     return {
-        "dtype": run.shape.dtype, "degree": ctx.degree, "max_abs_err": _r((out.float() - ref.float()).abs().max().item()),
-        "ref_max_abs": _r(ref.float().abs().max().item()), "stock_forward_ms": _r(1e3 * (t1 - t0)),
-        "ulysses_forward_ms": _r(1e3 * (t3 - t2)), "peak_gib": peak_gib(run.device),
-    }  # fmt: skip
+        "dtype": run.shape.dtype,
+        "degree": ctx.degree,
+        "max_abs_err": _r((out.float() - ref.float()).abs().max().item()),
+        "ref_max_abs": _r(ref.float().abs().max().item()),
+        "stock_forward_ms": _r(1e3 * (t1 - t0)),
+        "ulysses_forward_ms": _r(1e3 * (t3 - t2)),
+        "peak_gib": peak_gib(run.device),
+    }
 
 
 def check_bf16_vs_fp32(run: Run) -> dict:
@@ -507,10 +619,13 @@ def check_bf16_vs_fp32(run: Run) -> dict:
     diff = (out - ref).abs()
     rms = ref.square().mean().sqrt().item()
     return {
-        "max_abs_diff": _r(diff.max().item()), "mean_abs_diff": _r(diff.mean().item()),
-        "fp32_max_abs": _r(ref.abs().max().item()), "fp32_rms": _r(rms), "mean_abs_diff_over_rms": _r(diff.mean().item() / rms),
+        "max_abs_diff": _r(diff.max().item()),
+        "mean_abs_diff": _r(diff.mean().item()),
+        "fp32_max_abs": _r(ref.abs().max().item()),
+        "fp32_rms": _r(rms),
+        "mean_abs_diff_over_rms": _r(diff.mean().item() / rms),
         "peak_gib": peak_gib(run.device),
-    }  # fmt: skip
+    }
 
 
 # -- multi-process checks: spawned workers, one result file per rank, a deadline --------------------
@@ -529,7 +644,9 @@ def spawn_check(kind: str, nprocs: int, run: Run) -> dict:
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        spec = dict(kind=kind, world=nprocs, port=port, folder=str(run.folder), shape=run.shape, device=run.device.type, out=tmp)
+        spec = dict(
+            kind=kind, world=nprocs, port=port, folder=str(run.folder), shape=run.shape, device=run.device.type, out=tmp
+        )
         procs = [ctx.Process(target=_worker, args=(rank, spec), daemon=True) for rank in range(nprocs)]
         for p in procs:
             p.start()
@@ -546,8 +663,12 @@ def spawn_check(kind: str, nprocs: int, run: Run) -> dict:
             f = Path(tmp) / f"rank{rank}.json"
             results.append(json.loads(f.read_text()) if f.is_file() else None)
     if results[0] is None or hung:
-        return {"error": f"{kind}: ranks {hung} still running after {run.args.worker_timeout:.0f} s (killed)" if hung
-                else f"{kind}: rank 0 wrote no result (exit codes {[p.exitcode for p in procs]})", "ranks": results}  # fmt: skip
+        return {
+            "error": f"{kind}: ranks {hung} still running after {run.args.worker_timeout:.0f} s (killed)"
+            if hung
+            else f"{kind}: rank 0 wrote no result (exit codes {[p.exitcode for p in procs]})",
+            "ranks": results,
+        }
     out = dict(results[0], processes=nprocs)
     others = [r for r in results[1:] if r is None or "error" in r]
     if others and "error" not in out:
@@ -609,11 +730,12 @@ def _worker(rank: int, spec: dict) -> None:
             model.float()
             got32 = forward(inputs[torch.float32])
             out.update(
-                max_abs_err_bf16=_r((got16 - ref16).abs().max().item()), max_abs_err_fp32=_r((got32 - ref32).abs().max().item()),
+                max_abs_err_bf16=_r((got16 - ref16).abs().max().item()),
+                max_abs_err_fp32=_r((got32 - ref32).abs().max().item()),
                 ref_max_abs=_r(ref32.abs().max().item()),
-            )  # fmt: skip
+            )
             dist.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - recorded verbatim, the parent reports it
+    except BaseException as exc:
         out = dict(out, error=f"{step}: {type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-1500:])
     (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(out))
 
@@ -630,7 +752,9 @@ def _xfuser_worker(rank: int, world: int, init: str, shape: Shape, device: torch
 
         out["version"] = importlib.metadata.version("xfuser")
         step = "init_distributed_environment"
-        init_distributed_environment(world_size=world, rank=rank, distributed_init_method=init, local_rank=rank, backend="nccl")
+        init_distributed_environment(
+            world_size=world, rank=rank, distributed_init_method=init, local_rank=rank, backend="nccl"
+        )
         step = "initialize_model_parallel"
         initialize_model_parallel(sequence_parallel_degree=world, ulysses_degree=world)
         step = "runtime state"
@@ -652,8 +776,10 @@ def _xfuser_worker(rank: int, world: int, init: str, shape: Shape, device: torch
         step = "USP attention"
         gen = torch.Generator().manual_seed(5)
         tokens = shape.image_tokens + shape.text_tokens
-        q, k, v = (torch.randn(2, shape.heads, tokens, shape.head_dim, generator=gen).to(device, torch.bfloat16)
-                   for _ in range(3))  # fmt: skip
+        q, k, v = (
+            torch.randn(2, shape.heads, tokens, shape.head_dim, generator=gen).to(device, torch.bfloat16)
+            for _ in range(3)
+        )
         local = [t.chunk(world, dim=2)[rank].contiguous() for t in (q, k, v)]
         USP(*local)  # warm-up
         torch.cuda.synchronize()
@@ -670,14 +796,20 @@ def _xfuser_worker(rank: int, world: int, init: str, shape: Shape, device: torch
         else:
             got = got_local
         ref = F.scaled_dot_product_attention(q, k, v)
-        out.update(dtype="bfloat16", shape=list(q.shape), max_abs_err=_r((got.float() - ref.float()).abs().max().item()),
-                   ref_max_abs=_r(ref.float().abs().max().item()))  # fmt: skip
-    except BaseException as exc:  # noqa: BLE001 - recorded verbatim
+        out.update(
+            dtype="bfloat16",
+            shape=list(q.shape),
+            max_abs_err=_r((got.float() - ref.float()).abs().max().item()),
+            ref_max_abs=_r(ref.float().abs().max().item()),
+        )
+    except BaseException as exc:
         out.update(error=f"{step}: {type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-1500:])
     return out
 
 
-def _sp_backend_xfuser_worker(rank: int, world: int, init: str, folder: Path, shape: Shape, device: torch.device) -> dict:
+def _sp_backend_xfuser_worker(
+    rank: int, world: int, init: str, folder: Path, shape: Shape, device: torch.device
+) -> dict:
     """`parallel.sp_backend=xfuser` against ours on one NCCL world of `world` ranks; errors name their step."""
     import torch.distributed as dist
 
@@ -719,12 +851,14 @@ def _sp_backend_xfuser_worker(rank: int, world: int, init: str, folder: Path, sh
             t0 = clock.now()
             got = ulysses_forward(model, xf_ctx, **x).float()
             t_xf = clock.now() - t0
-            out.update({
-                f"max_abs_err_vs_ours_{tag}": _r((got - ours).abs().max().item()),
-                f"max_abs_err_vs_stock_{tag}": _r((got - ref).abs().max().item()),
-                f"ours_max_abs_err_vs_stock_{tag}": _r((ours - ref).abs().max().item()),
-                f"ref_max_abs_{tag}": _r(ref.abs().max().item()),
-            })  # fmt: skip
+            out.update(
+                {
+                    f"max_abs_err_vs_ours_{tag}": _r((got - ours).abs().max().item()),
+                    f"max_abs_err_vs_stock_{tag}": _r((got - ref).abs().max().item()),
+                    f"ours_max_abs_err_vs_stock_{tag}": _r((ours - ref).abs().max().item()),
+                    f"ref_max_abs_{tag}": _r(ref.abs().max().item()),
+                }
+            )
             if tag == "bf16":
                 out.update(forward_ms=_r(1e3 * t_xf), ours_forward_ms=_r(1e3 * t_ours), bind_ms=_r(1e3 * bind_s))
             step = f"xfuser release {tag}"
@@ -734,7 +868,7 @@ def _sp_backend_xfuser_worker(rank: int, world: int, init: str, folder: Path, sh
                 got = ulysses_forward(model, xf_ctx, **x).float()
                 out[f"unbound_max_abs_err_vs_ours_{tag}"] = _r((got - ours).abs().max().item())
         dist.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - recorded verbatim
+    except BaseException as exc:
         out.update(error=f"{step}: {type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-1500:])
     return out
 
@@ -756,7 +890,7 @@ def check_diffusers_cp(run: Run) -> dict:
         return dict(NO_CUDA)
     try:
         from diffusers import ContextParallelConfig  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - recorded verbatim
+    except Exception as exc:
         return {"error": f"import: {type(exc).__name__}: {exc}"}
     if run.gpus < 2:
         return {"import": "ok", "skipped": f"needs 2 GPUs (found {run.gpus}): ContextParallelConfig refuses degree 1"}
@@ -789,14 +923,16 @@ def main(argv: list[str] | None = None) -> dict:
     _quiet()
     began = time.perf_counter()
     # A check, not a speed-up: each figure is compared with the reference named inside it.
-    results: dict = {"baseline": "per check: float32 for bf16, our Ulysses for diffusers CP and xfuser, spotlight plan for memory"}
+    results: dict = {
+        "baseline": "per check: float32 for bf16, our Ulysses for diffusers CP and xfuser, spotlight plan for memory"
+    }
 
     def record(name: str, fn) -> None:
         t0 = time.perf_counter()
         print(f"gpu_check: {name} ...", file=sys.stderr, flush=True)
         try:
             value = fn()
-        except Exception as exc:  # noqa: BLE001 - one failed check must not stop the others
+        except Exception as exc:
             value = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-1500:]}
         if "skipped" not in value or "import" in value:
             value["check_s"] = _r(time.perf_counter() - t0)

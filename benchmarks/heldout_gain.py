@@ -37,12 +37,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from spotlight.checkpoint import find_latest_checkpoint  # noqa: E402
-from spotlight.config import PretrainConfig  # noqa: E402
-from spotlight.config_io import load_config  # noqa: E402
-from spotlight.pretrain import pretrain_prompts  # noqa: E402
-from spotlight.rewards import shapes  # noqa: E402
-from spotlight.tracking import read_metrics  # noqa: E402
+from spotlight.checkpoint import find_latest_checkpoint
+from spotlight.config import PretrainConfig
+from spotlight.config_io import load_config
+from spotlight.pretrain import pretrain_prompts
+from spotlight.rewards import shapes
+from spotlight.tracking import read_metrics
 
 RECIPE = "configs/dit/tiny-shapes.yaml"
 SPOTLIGHT = [sys.executable, "-m", "spotlight.cli"]
@@ -79,9 +79,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "heldout-gain")
     parser.add_argument("--keep", action="store_true", help="reuse a split's finished run in --out")
     parser.add_argument(
-        "--pretrain-config", type=Path, default=REPO / "configs/dit/tiny-pretrain.yaml",
+        "--pretrain-config",
+        type=Path,
+        default=REPO / "configs/dit/tiny-pretrain.yaml",
         help="the `spotlight pretrain` recipe that made the base (with model.path=..., the one that made that folder)",
-    )  # fmt: skip
+    )
     parser.add_argument("overrides", nargs="*", help="extra recipe overrides for train and eval (key=value)")
     args = parser.parse_args()
 
@@ -94,7 +96,16 @@ def main() -> None:
                 sys.exit(f"{run_dir} exists; pass --keep to reuse it, or remove it")
             print(f"split {split}: training (the README command, data.split_seed={split})", file=sys.stderr)
             t0 = time.monotonic()
-            cmd = [*SPOTLIGHT, "train", RECIPE, f"data.split_seed={split}", *args.overrides, "--run-dir", str(run_dir), "--quiet"]
+            cmd = [
+                *SPOTLIGHT,
+                "train",
+                RECIPE,
+                f"data.split_seed={split}",
+                *args.overrides,
+                "--run-dir",
+                str(run_dir),
+                "--quiet",
+            ]
             subprocess.run(cmd, cwd=REPO, check=True)
             print(f"split {split}: trained in {(time.monotonic() - t0) / 60:.1f} min", file=sys.stderr)
         metrics = read_metrics(run_dir)
@@ -116,17 +127,22 @@ def main() -> None:
         rows.append(row)
 
     gains = [r["gain"] for r in rows]
-    print(json.dumps({
-        "benchmark": "heldout_gain",
-        "baseline": "the base model before GRPO, on the same held-out prompts and eval seeds",
-        "command": f"spotlight train {RECIPE} data.split_seed=S" + (" " + " ".join(args.overrides) if args.overrides else ""),
-        "host_cpu": cpu_model(),
-        "cores": len(os.sched_getaffinity(0)),
-        "gain_mean": round(statistics.fmean(gains), 4),
-        "gain_min": min(gains),
-        "gain_max": max(gains),
-        "splits": rows,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "heldout_gain",
+                "baseline": "the base model before GRPO, on the same held-out prompts and eval seeds",
+                "command": f"spotlight train {RECIPE} data.split_seed=S"
+                + (" " + " ".join(args.overrides) if args.overrides else ""),
+                "host_cpu": cpu_model(),
+                "cores": len(os.sched_getaffinity(0)),
+                "gain_mean": round(statistics.fmean(gains), 4),
+                "gain_min": min(gains),
+                "gain_max": max(gains),
+                "splits": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

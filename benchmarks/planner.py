@@ -69,7 +69,12 @@ MEASURED_BUDGET_FRACTION = 0.317
 
 SWEEP = (0.1, 0.2, 0.3, 0.5, 0.75)
 
-TUNE_FAMILIES = ("", "shapes_counts", r"matches:\b(red|green|blue|yellow)\b", r"matches:\b(circles?|squares?|triangles?)\b")
+TUNE_FAMILIES = (
+    "",
+    "shapes_counts",
+    r"matches:\b(red|green|blue|yellow)\b",
+    r"matches:\b(circles?|squares?|triangles?)\b",
+)
 """Families `--tune-on` tries: one family, the count words (the shipped preset), colours, shapes."""
 TUNE_DISCOUNTS = (0.8, 0.9, 0.95)
 TUNE_PRIOR_STRENGTHS = (2.0, 4.0, 8.0)
@@ -88,10 +93,14 @@ def budget_fraction_of_run(run_dir: str | Path) -> float:
     budgets = [
         r["explore/budget_samples"]
         for r in read_metrics(run_dir)
-        if "explore/budget_samples" in r and not r.get("explore/throughput_guessed") and not r.get("explore/update_guessed")
+        if "explore/budget_samples" in r
+        and not r.get("explore/throughput_guessed")
+        and not r.get("explore/update_guessed")
     ]
     if not budgets:
-        raise SystemExit(f"--budget-from {run_dir}: no window with a measured budget in metrics.jsonl (explore.mode none?)")
+        raise SystemExit(
+            f"--budget-from {run_dir}: no window with a measured budget in metrics.jsonl (explore.mode none?)"
+        )
     t = cfg.train
     return statistics.fmean(budgets) / (t.prompts_per_iteration * cfg.explore.candidates_cap(t.group_size))
 
@@ -124,7 +133,9 @@ def tune(tune_table, score_table, group_size: int, fraction: float, seed: int, f
         "trials": len(trials),
         "chosen": {"family": fam, "discount": discount, "prior_strength": strength},
         "chosen_on_tune_table": {"vs_uniform": best_vs_uniform},
-        "chosen_on_table": bandit_figures(score_table, group_size, fraction, seed, fam, discount=discount, prior_strength=strength),
+        "chosen_on_table": bandit_figures(
+            score_table, group_size, fraction, seed, fam, discount=discount, prior_strength=strength
+        ),
         "defaults_on_tune_table": bandit_figures(tune_table, group_size, fraction, seed, family, **defaults),
         "defaults_on_table": bandit_figures(score_table, group_size, fraction, seed, family, **defaults),
     }
@@ -135,19 +146,25 @@ def main() -> None:
     parser.add_argument("--table", default="", help="reward table (.json or .npz); default: synthetic")
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument(
-        "--budget-fraction", type=float, default=MEASURED_BUDGET_FRACTION,
+        "--budget-fraction",
+        type=float,
+        default=MEASURED_BUDGET_FRACTION,
         help="budget / (prompts x max candidates); default: the tiny recipe's measured stale budget",
-    )  # fmt: skip
+    )
     budget.add_argument("--budget-from", default="", help="a stale or inline run directory: its measured budget")
     parser.add_argument("--group-size", type=int, default=0, help="G; default: the table's, else 8")
     parser.add_argument("--seed", type=int, default=0, help="planner seed (and the synthetic table's)")
     parser.add_argument(
-        "--family", default=ExploreConfig.planner_family, help="the bandit's prompt families (planners/families.py); \"\" one family"
+        "--family",
+        default=ExploreConfig.planner_family,
+        help='the bandit\'s prompt families (planners/families.py); "" one family',
     )
     parser.add_argument(
-        "--tune-on", default="",
-        help="another reward table: choose the bandit's family, discount and prior strength there, score them on --table",
-    )  # fmt: skip
+        "--tune-on",
+        default="",
+        help="another reward table: choose the bandit's family, discount and prior strength there, "
+        "score them on --table",
+    )
     args = parser.parse_args()
 
     fraction = round(budget_fraction_of_run(args.budget_from), 4) if args.budget_from else args.budget_fraction
@@ -158,12 +175,24 @@ def main() -> None:
     out_of_sample = table.explored is not None
     in_sample = None
     if out_of_sample:
-        c = replay(table, build_planners(args.family, args.seed), group_size=group_size, budget_fraction=fraction, in_sample=True).captured
-        in_sample = {"vs_uniform": round(c["bandit"] / c["uniform"], 4), "vs_oracle": round(c["bandit"] / c["oracle"], 4)}
+        c = replay(
+            table,
+            build_planners(args.family, args.seed),
+            group_size=group_size,
+            budget_fraction=fraction,
+            in_sample=True,
+        ).captured
+        in_sample = {
+            "vs_uniform": round(c["bandit"] / c["uniform"], 4),
+            "vs_oracle": round(c["bandit"] / c["oracle"], 4),
+        }
     sweep = {}
     for f in SWEEP:
         c = replay(table, build_planners(args.family, args.seed), group_size=group_size, budget_fraction=f).captured
-        sweep[str(f)] = {"vs_uniform": round(c["bandit"] / c["uniform"], 4), "vs_oracle": round(c["bandit"] / c["oracle"], 4)}
+        sweep[str(f)] = {
+            "vs_uniform": round(c["bandit"] / c["uniform"], 4),
+            "vs_oracle": round(c["bandit"] / c["oracle"], 4),
+        }
     tuned = None
     if args.tune_on:
         tuned = tune(load_reward_table(args.tune_on), table, group_size, fraction, args.seed, args.family)

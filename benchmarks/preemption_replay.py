@@ -72,12 +72,17 @@ from pathlib import Path
 
 import torch
 
-
 # The job lengths of `--curve`: (profile, steps) from 512x512 to Qwen-Image's own 50-step sampler at 1280x1280.
 CURVE = (("qwen-image-512", 10), ("qwen-image-1280", 10), ("qwen-image-1280", 20), ("qwen-image-1280", 50))
 BASELINES = {
-    "ray-retries": "Ray tasks, one per job, Ray's SPREAD scheduling and max_retries=-1 (rerun from scratch on node death, no notices)",
-    "push": "push: each job at submission to the least-loaded live worker, lost jobs re-pushed the same way from their last commit",
+    "ray-retries": (
+        "Ray tasks, one per job, Ray's SPREAD scheduling and max_retries=-1 (rerun from scratch on node death, no "
+        "notices)"
+    ),
+    "push": (
+        "push: each job at submission to the least-loaded live worker, lost jobs re-pushed the same way from their "
+        "last commit"
+    ),
 }
 
 
@@ -89,7 +94,9 @@ def main() -> None:
     add_replay_arguments(p)
     # 4,800 trace seconds: the busiest such stretch of parcae-p3 at 3 nodes holds 3 preemptions (2,400 s: 2).
     p.set_defaults(steps=None, step_s=None, window_s=4800.0)
-    p.add_argument("--job", default="qwen-image-1280", help="paper-scale profile whose job this replays (spot.sim.profile)")
+    p.add_argument(
+        "--job", default="qwen-image-1280", help="paper-scale profile whose job this replays (spot.sim.profile)"
+    )
     p.add_argument("--curve", action="store_true", help="the ratio at each job length of CURVE, one JSON line")
     p.add_argument("--baseline", choices=sorted(BASELINES), default="ray-retries")
     p.add_argument("--wave-jobs", type=int, default=0, help="jobs per wave (a training iteration); 0: 16 per peak node")
@@ -126,8 +133,31 @@ def main() -> None:
     finally:
         cluster.shutdown()
     if args.curve:
-        keys = ("job", "steps", "job_trace_s", "job_wall_s", "jobs", "throughput_ratio_pull_vs_baseline", "preemptions", "preemptions_hitting_work", "bit_exact")
-        result = {k: results[0][k] for k in ("trace", "baseline", "window_s", "compress", "notice_s", "nodes", "speeds", "repeats", "commit_every")}
+        keys = (
+            "job",
+            "steps",
+            "job_trace_s",
+            "job_wall_s",
+            "jobs",
+            "throughput_ratio_pull_vs_baseline",
+            "preemptions",
+            "preemptions_hitting_work",
+            "bit_exact",
+        )
+        result = {
+            k: results[0][k]
+            for k in (
+                "trace",
+                "baseline",
+                "window_s",
+                "compress",
+                "notice_s",
+                "nodes",
+                "speeds",
+                "repeats",
+                "commit_every",
+            )
+        }
         result["curve"] = [{k: r[k] for k in keys} for r in results]
         result["runs"] = results
     else:
@@ -166,17 +196,24 @@ def fit_trace(args):
 
     if args.synthetic:
         trace = synthetic_trace(
-            num_nodes=args.nodes, duration_s=args.window_s, preemptions_per_node_hour=4.0,
-            replacement_delay_s=120.0, seed=args.seed,
-        ).compressed(args.compress)  # fmt: skip
+            num_nodes=args.nodes,
+            duration_s=args.window_s,
+            preemptions_per_node_hour=4.0,
+            replacement_delay_s=120.0,
+            seed=args.seed,
+        ).compressed(args.compress)
         if args.notice_s > 0:
             trace = trace.with_notices(args.notice_s / args.compress)
         start = 0.0
     else:
         trace, start = fit(
-            args.trace, nodes=args.nodes, window_s=args.window_s, start_s=args.start_s,
-            compress=args.compress, notice_s=args.notice_s,
-        )  # fmt: skip
+            args.trace,
+            nodes=args.nodes,
+            window_s=args.window_s,
+            start_s=args.start_s,
+            compress=args.compress,
+            notice_s=args.notice_s,
+        )
     logging.info("%s; start %g s", trace.summary(), start)
     args.window_start_s = start
     return trace
@@ -228,7 +265,12 @@ def make_jobs(args, num_jobs: int, seed: int) -> list:
     prompts = all_prompts(1)
     steps = list(range(args.steps))
     return [
-        Job(i, RolloutJob([prompts[i % len(prompts)]], [derive_seed(seed, i)], steps, [args.steps]), num_steps=args.steps, kind="rollout")
+        Job(
+            i,
+            RolloutJob([prompts[i % len(prompts)]], [derive_seed(seed, i)], steps, [args.steps]),
+            num_steps=args.steps,
+            kind="rollout",
+        )
         for i in range(num_jobs)
     ]
 
@@ -410,9 +452,11 @@ def ray_run(cluster, trace, cfg, jobs, speeds, args) -> dict:
         # Load the model on the initial nodes before the clock starts, as the runtime's run does.
         ids = {n["Labels"].get(NODE_LABEL): n["NodeID"] for n in ray.nodes() if n["Alive"]}
         warm = [
-            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[name], soft=False)).remote(cfg, -1, None, 0.0, speeds, log_dir, True)
+            task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(ids[name], soft=False)).remote(
+                cfg, -1, None, 0.0, speeds, log_dir, True
+            )
             for name in initial
-        ]  # fmt: skip
+        ]
         ray.get(warm, timeout=300)
 
         def drive() -> dict:
@@ -457,10 +501,14 @@ def read_attempts(log_dir: str) -> list[dict]:
         lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         if not lines:
             continue
-        out.append({
-            "job": lines[0]["job"], "node": lines[0]["node"],
-            "steps": sum("step" in x for x in lines), "done": any("done" in x for x in lines),
-        })  # fmt: skip
+        out.append(
+            {
+                "job": lines[0]["job"],
+                "node": lines[0]["node"],
+                "steps": sum("step" in x for x in lines),
+                "done": any("done" in x for x in lines),
+            }
+        )
     return out
 
 
@@ -503,7 +551,13 @@ def start_pool(replayer, cfg, speeds: list[float], args, on_node=None):
         return {"step_s": args.step_s / node_speed(name, speeds)}
 
     # version 0: the model each worker loads from disk is the jobs' weights (nothing is published).
-    worker_kwargs = {"commit_every": args.commit_every, "imds_poll_s": 0.2, "poll_s": 0.05, "idle_poll_s": 0.05, "version": 0}
+    worker_kwargs = {
+        "commit_every": args.commit_every,
+        "imds_poll_s": 0.2,
+        "poll_s": 0.05,
+        "idle_poll_s": 0.05,
+        "version": 0,
+    }
     pool = WorkerPool(partial(DiTRunner, cfg), worker_kwargs=worker_kwargs, node_kwargs=node_kwargs)
     pool.wait_ready(len(initial), timeout_s=300)
     return pool, len(initial)
@@ -517,7 +571,7 @@ def during_replay(replayer, work):
     def drive():
         try:
             box["value"] = work()
-        except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
+        except BaseException as err:
             box["error"] = err
         finally:
             done.set()
@@ -555,7 +609,11 @@ def _combined(runs: list[dict]) -> dict:
     """One scheduler's runs summed (jobs/s over all of them: total jobs over total wall time)."""
     if len(runs) == 1:
         return runs[0]
-    out = {k: sum(r[k] for r in runs) for k in runs[0] if k not in ("jobs_per_s", "max_recomputed_steps", "max_event_delay_s", "latents")}
+    out = {
+        k: sum(r[k] for r in runs)
+        for k in runs[0]
+        if k not in ("jobs_per_s", "max_recomputed_steps", "max_event_delay_s", "latents")
+    }
     out["jobs_per_s"] = round(sum(r["jobs_per_s"] * r["wall_s"] for r in runs) / out["wall_s"], 3)
     out["max_recomputed_steps"] = max(r["max_recomputed_steps"] for r in runs)
     out["max_event_delay_s"] = max(r["max_event_delay_s"] for r in runs)
@@ -573,7 +631,9 @@ def check_bits(cfg, jobs, latents_by_run: list[dict]) -> bool:
     sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
     for job in jobs:
         p = job.payload
-        ref = rollout(policy, p.prompts, p.seeds, sigmas, noise_level=cfg.sample.noise_level, sde_steps=p.sde_steps).trajectory.final[0]
+        ref = rollout(
+            policy, p.prompts, p.seeds, sigmas, noise_level=cfg.sample.noise_level, sde_steps=p.sde_steps
+        ).trajectory.final[0]
         for latents in latents_by_run:
             if job.job_id in latents and not torch.equal(latents[job.job_id], ref):
                 logging.warning("job %d differs from its uninterrupted sampling", job.job_id)
@@ -584,10 +644,13 @@ def check_bits(cfg, jobs, latents_by_run: list[dict]) -> bool:
 def summary(r: dict) -> str:
     base = next(k for k in r if k in BASELINES)
     return (
-        f"{r['trace']} window {r['window_s']} s /{r['compress']:g}, notice {r['notice_s']:g} s, {r['job']} x {r['steps']} steps "
-        f"({r['job_trace_s']} trace s): {r['jobs']} jobs, {r['preemptions']} preemptions, hitting work {r['preemptions_hitting_work']}; "
-        f"lost {r['lost']}, duplicated {r['duplicated']}, recomputed steps/preemption {r['recomputed_steps_per_preemption']}; "
-        f"pull {r['pull']['jobs_per_s']} vs {base} {r[base]['jobs_per_s']} jobs/s = {r['throughput_ratio_pull_vs_baseline']}x; bit exact {r['bit_exact']}"
+        f"{r['trace']} window {r['window_s']} s /{r['compress']:g}, notice {r['notice_s']:g} s, "
+        f"{r['job']} x {r['steps']} steps ({r['job_trace_s']} trace s): {r['jobs']} jobs, "
+        f"{r['preemptions']} preemptions, hitting work {r['preemptions_hitting_work']}; "
+        f"lost {r['lost']}, duplicated {r['duplicated']}, "
+        f"recomputed steps/preemption {r['recomputed_steps_per_preemption']}; "
+        f"pull {r['pull']['jobs_per_s']} vs {base} {r[base]['jobs_per_s']} jobs/s = "
+        f"{r['throughput_ratio_pull_vs_baseline']}x; bit exact {r['bit_exact']}"
     )
 
 

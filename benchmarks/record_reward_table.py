@@ -16,7 +16,8 @@ The table (rewards (I, P, N), prompts (I, P), group_size G, and with --staleness
 (I, P, N) and staleness) is written with `planners.tables.save_reward_table`; replay it with
 
     .venv/bin/python benchmarks/record_reward_table.py                 # ~7.5 min on 2 idle cores
-    .venv/bin/python benchmarks/record_reward_table.py --staleness 1 --out benchmarks/data/tiny-shapes-rewards-stale1.npz
+    .venv/bin/python benchmarks/record_reward_table.py --staleness 1 \\
+        --out benchmarks/data/tiny-shapes-rewards-stale1.npz
     .venv/bin/python benchmarks/planner.py --table benchmarks/data/tiny-shapes-rewards.npz
 
 Prints one JSON line describing the table.
@@ -34,12 +35,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from stale_ranking import (
+    DEFAULT_RECIPE,
+    ROOT,
+    IterationPlan,
+    TinyRun,
+    build_run,
+    sample_rewards,
+    snapshot,
+    stale_copy,
+    train,
+)
 
 from planners.tables import RewardTable, save_reward_table
 from spotlight.explore import planner_ids
 from spotlight.policy import load_trainable_state
 from spotlight.sampling import derive_seed
-from stale_ranking import DEFAULT_RECIPE, ROOT, IterationPlan, TinyRun, build_run, sample_rewards, snapshot, stale_copy, train
 
 DEFAULT_OUT = str(ROOT / "benchmarks" / "data" / "tiny-shapes-rewards.npz")
 
@@ -97,14 +108,22 @@ class TableRecorder:
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted recipe overrides, e.g. train.lr=1e-4")
-    parser.add_argument("--recipe", default=DEFAULT_RECIPE, help="DiT recipe YAML (default: configs/dit/tiny-shapes.yaml)")
+    parser.add_argument(
+        "--recipe", default=DEFAULT_RECIPE, help="DiT recipe YAML (default: configs/dit/tiny-shapes.yaml)"
+    )
     parser.add_argument("--iterations", type=int, default=30, help="training iterations (table rows)")
     parser.add_argument("--candidates", type=int, default=64, help="candidate seeds per prompt (N >= G)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="table file, .npz or .json (default: benchmarks/data/tiny-shapes-rewards.npz)")
     parser.add_argument(
-        "--staleness", type=int, default=0,
+        "--out",
+        default=DEFAULT_OUT,
+        help="table file, .npz or .json (default: benchmarks/data/tiny-shapes-rewards.npz)",
+    )
+    parser.add_argument(
+        "--staleness",
+        type=int,
+        default=0,
         help="also score every candidate with the weights of S updates before (the table's explored rewards); 0: no",
-    )  # fmt: skip
+    )
     parser.add_argument("--quiet", action="store_true", help="no per-iteration log on stderr")
     args = parser.parse_args(argv)
 

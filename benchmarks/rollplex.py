@@ -42,13 +42,26 @@ MIB = 2**20
 
 def build(folder: Path, args) -> VLMRecipe:
     task = TaskConfig(grid_size=args.grid_size, max_shapes=4)
-    spec = TinyVLMConfig(text_hidden=args.hidden, text_layers=args.layers, text_heads=4, vision_hidden=args.hidden, vision_depth=args.vision_depth, vision_heads=4)
+    spec = TinyVLMConfig(
+        text_hidden=args.hidden,
+        text_layers=args.layers,
+        text_heads=4,
+        vision_hidden=args.hidden,
+        vision_depth=args.vision_depth,
+        vision_heads=4,
+    )
     build_tiny_vlm(folder, spec, corpus(task), image_px=args.grid_size * CELL_PX)
     overrides = [
-        f"model.path={folder}", "model.train_vision=false", f"task.grid_size={args.grid_size}", "task.max_shapes=4",
-        f"train.prompts_per_iteration={args.prompts}", f"rollout.group_size={args.group_size}",
-        f"rollout.max_new_tokens={args.max_new_tokens}", "train.beta=0.04", "log.wandb_mode=disabled",
-    ]  # fmt: skip
+        f"model.path={folder}",
+        "model.train_vision=false",
+        f"task.grid_size={args.grid_size}",
+        "task.max_shapes=4",
+        f"train.prompts_per_iteration={args.prompts}",
+        f"rollout.group_size={args.group_size}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        "train.beta=0.04",
+        "log.wandb_mode=disabled",
+    ]
     return load_config(VLMRecipe, None, overrides)
 
 
@@ -70,12 +83,16 @@ class Runner:
         self.optimizer.register_step_pre_hook(lambda *_: self.grads.append([p.grad.clone() for p in self.params]))
         engine = HFRolloutEngine(self.policy)
         if name == "rollplex":
-            self.schedule = RollplexSchedule(self.policy, engine, self.reference, self.optimizer, cfg, ledger=ledger, overlap=overlap)
+            self.schedule = RollplexSchedule(
+                self.policy, engine, self.reference, self.optimizer, cfg, ledger=ledger, overlap=overlap
+            )
         else:
             self.schedule = make_schedule(name, self.policy, engine, self.reference, self.optimizer, cfg)
         P = cfg.train.prompts_per_iteration
         examples = TrainStream(cfg.task, seed=0).batch(0, P)
-        self.prompts = self.policy.encode([e.question for e in examples], [example_image(e, cfg.task) for e in examples])
+        self.prompts = self.policy.encode(
+            [e.question for e in examples], [example_image(e, cfg.task) for e in examples]
+        )
         self.adv_B = torch.randn(P * cfg.rollout.group_size, generator=torch.Generator().manual_seed(2))
 
     def step(self, ledger: TensorLedger | None = None) -> dict:
@@ -114,7 +131,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line (the default output too)")
     parser.add_argument("--grid-size", type=int, default=6, help="image side in cells (one vision token per cell)")
-    parser.add_argument("--hidden", type=int, default=128, help="hidden size of the language model and the vision tower")
+    parser.add_argument(
+        "--hidden", type=int, default=128, help="hidden size of the language model and the vision tower"
+    )
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--vision-depth", type=int, default=4, help="vision transformer blocks")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step (P)")
@@ -163,19 +182,33 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "baseline": "train.schedule=serial: the reference and actor passes after the rollout, on the same batch",
+                "baseline": "train.schedule=serial: the reference and actor passes after the rollout, same batch",
                 "loss_max_abs_diff": abs(first["serial"]["loss"] - first["rollplex"]["loss"]),
                 "grad_max_abs_diff": grad_diff,
                 "vision_encoder_calls_per_prompt": images,
                 "step_time_ratio_serial_over_rollplex": round(median["serial"] / median["rollplex"], 3),
-                "step_time_ratio_serialized_prefix_over_rollplex": round(median["rollplex_serialized"] / median["rollplex"], 3),
+                "step_time_ratio_serialized_prefix_over_rollplex": round(
+                    median["rollplex_serialized"] / median["rollplex"], 3
+                ),
                 "step_seconds_median": {k: round(v, 4) for k, v in median.items()},
                 "prefix_fraction": round(prefix_fraction, 3),
-                "peak_mem": {"unit": "MiB", "naive_colocation": round(naive / MIB, 3), "serial": serial_mem, "rollplex": rollplex_mem},
+                "peak_mem": {
+                    "unit": "MiB",
+                    "naive_colocation": round(naive / MIB, 3),
+                    "serial": serial_mem,
+                    "rollplex": rollplex_mem,
+                },
                 "setup": {
-                    "prompts": P, "group_size": cfg.rollout.group_size, "grid_size": args.grid_size, "hidden": args.hidden,
-                    "layers": args.layers, "vision_depth": args.vision_depth, "repeats": args.repeats,
-                    "torch_threads": torch.get_num_threads(), "vision_tower": "frozen", "dtype": "float32",
+                    "prompts": P,
+                    "group_size": cfg.rollout.group_size,
+                    "grid_size": args.grid_size,
+                    "hidden": args.hidden,
+                    "layers": args.layers,
+                    "vision_depth": args.vision_depth,
+                    "repeats": args.repeats,
+                    "torch_threads": torch.get_num_threads(),
+                    "vision_tower": "frozen",
+                    "dtype": "float32",
                 },
             }
         )

@@ -65,16 +65,20 @@ def main() -> None:
         forward_times.extend(forward() for _ in range(steps))
     loop_s = statistics.median(loop_times)
     forward_s = statistics.median(forward_times)
-    print(json.dumps({
-        "baseline": "the transformer's forwards alone (steps x one forward)",
-        "overhead_ratio": round(loop_s / (steps * forward_s), 4),
-        "loop_seconds": round(loop_s, 4),
-        "forward_seconds": round(forward_s, 5),
-        "batch": batch,
-        "steps": steps,
-        "noise_level": args.noise_level,
-        "threads": torch.get_num_threads(),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "baseline": "the transformer's forwards alone (steps x one forward)",
+                "overhead_ratio": round(loop_s / (steps * forward_s), 4),
+                "loop_seconds": round(loop_s, 4),
+                "forward_seconds": round(forward_s, 5),
+                "batch": batch,
+                "steps": steps,
+                "noise_level": args.noise_level,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

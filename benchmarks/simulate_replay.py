@@ -31,12 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from preemption_replay import add_replay_arguments, fit_trace, node_speed, size_jobs  # noqa: E402
-from simulate_paper import SHIPPED  # noqa: E402
+from preemption_replay import add_replay_arguments, fit_trace, node_speed, size_jobs
+from simulate_paper import SHIPPED
 
-from spot.jobqueue import Job  # noqa: E402
-from spot.sim.engine import Cluster, EventLoop  # noqa: E402
-from spot.sim.profile import Profile  # noqa: E402
+from spot.jobqueue import Job
+from spot.sim.engine import Cluster, EventLoop
+from spot.sim.profile import Profile
 
 
 def main() -> None:
@@ -48,9 +48,13 @@ def main() -> None:
     add_replay_arguments(p)
     p.add_argument("--start-s", type=float, default=None, help="start of the stretch; default: the busiest")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overhead-s", type=float, default=0.004, help="per-step overhead over --step-s (measured ~0.002-0.008)")
+    p.add_argument(
+        "--overhead-s", type=float, default=0.004, help="per-step overhead over --step-s (measured ~0.002-0.008)"
+    )
     p.add_argument("--startup-s", type=float, default=5.0, help="node add -> worker ready (measured 4.6-5.6 s)")
-    p.add_argument("--detect-s", type=float, default=1.5, help="preemption -> worker declared dead (measured 1.3-1.6 s)")
+    p.add_argument(
+        "--detect-s", type=float, default=1.5, help="preemption -> worker declared dead (measured 1.3-1.6 s)"
+    )
     p.add_argument("--sim-samples", type=int, default=8)
     args = p.parse_args()
     logging.disable(logging.INFO)  # fit_trace logs the trace summary
@@ -65,18 +69,39 @@ def one(args) -> dict:
     trace = fit_trace(args)
     num_jobs = args.jobs or size_jobs(trace, speeds, args)
     profile = Profile(
-        name="replay", prompts_per_iteration=1, group_size=2, num_steps=args.steps, samples_per_job=1,
-        job_step_s=args.step_s + args.overhead_s, reward_gpu_s_per_sample=0.0, update_gpu_s=0.0, iterations_to_target=1,
-        node_startup_s=args.startup_s, detect_s=args.detect_s, poll_s=0.1, commit_every=args.commit_every,
-    )  # fmt: skip
+        name="replay",
+        prompts_per_iteration=1,
+        group_size=2,
+        num_steps=args.steps,
+        samples_per_job=1,
+        job_step_s=args.step_s + args.overhead_s,
+        reward_gpu_s_per_sample=0.0,
+        update_gpu_s=0.0,
+        iterations_to_target=1,
+        node_startup_s=args.startup_s,
+        detect_s=args.detect_s,
+        poll_s=0.1,
+        commit_every=args.commit_every,
+    )
     walls = {}
     for scheduler in ("pull", "push"):
         runs = []
         for seed in range(args.sim_samples):
             loop = EventLoop()
-            cluster = Cluster(loop, profile, trace, on_demand_gpus=0, wrap=False, initial_ready=True,
-                              node_speed=lambda name: node_speed(name, speeds), step_jitter=0.1, seed=seed)  # fmt: skip
-            res = cluster.run_phase([Job(i, num_steps=args.steps) for i in range(num_jobs)], args.steps, pools=(True,), scheduler=scheduler)
+            cluster = Cluster(
+                loop,
+                profile,
+                trace,
+                on_demand_gpus=0,
+                wrap=False,
+                initial_ready=True,
+                node_speed=lambda name: node_speed(name, speeds),
+                step_jitter=0.1,
+                seed=seed,
+            )
+            res = cluster.run_phase(
+                [Job(i, num_steps=args.steps) for i in range(num_jobs)], args.steps, pools=(True,), scheduler=scheduler
+            )
             runs.append(res.end_s - res.start_s)
         walls[scheduler] = statistics.mean(runs)
     steps = trace.availability() + [(trace.duration_s, 0)]

@@ -48,25 +48,27 @@ import sys
 import tempfile
 import time
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # bind every Ray process to 127.0.0.1 (spot.localray.import_ray_on_loopback)
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = (
+    "0"  # bind every Ray process to 127.0.0.1 (spot.localray.import_ray_on_loopback)
+)
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from functools import partial  # noqa: E402
+from functools import partial
 
-from spot.cluster import LocalCluster  # noqa: E402
-from spot.jobqueue import Job  # noqa: E402
-from spot.pool import WorkerPool  # noqa: E402
-from spot.runtime import Runtime  # noqa: E402
-from spot.store import open_store  # noqa: E402
-from spot.weights import publish_weights  # noqa: E402
-from spotlight.config import DiTRecipe  # noqa: E402
-from spotlight.jobs import DiTRunner, RolloutJob  # noqa: E402
-from spotlight.policy import load_policy, trainable_state  # noqa: E402
-from spotlight.rollout import rollout  # noqa: E402
-from spotlight.sampling import qwen_image_sigmas  # noqa: E402
+from spot.cluster import LocalCluster
+from spot.jobqueue import Job
+from spot.pool import WorkerPool
+from spot.runtime import Runtime
+from spot.store import open_store
+from spot.weights import publish_weights
+from spotlight.config import DiTRecipe
+from spotlight.jobs import DiTRunner, RolloutJob
+from spotlight.policy import load_policy, trainable_state
+from spotlight.rollout import rollout
+from spotlight.sampling import qwen_image_sigmas
 
 PROMPT = "a red circle"
 
@@ -157,7 +159,9 @@ def measure_bandwidths(num_bytes: int, node: str) -> dict:
     data = np.random.default_rng(0).integers(0, 256, size=num_bytes, dtype=np.uint8)
     out = {"bandwidth_test_gb": round(gb, 2)}
     ref = ray.put(data)
-    task = ray.remote(_copy_into_private).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+    task = ray.remote(_copy_into_private).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+    )
     ray.get(task.remote([ref]))  # the task's process started once, untimed
     out["sibling_shared_memory_gbps"] = gb / ray.get(task.remote([ref]))
     del ref
@@ -218,7 +222,11 @@ def main() -> dict:
         pids = {w: pool.pid(w) for w in pool.alive()}
 
         def job(job_id: int, seed: int) -> Job:
-            return Job(job_id, RolloutJob([PROMPT], [seed], list(range(args.num_steps)), [args.num_steps]), num_steps=args.num_steps)
+            return Job(
+                job_id,
+                RolloutJob([PROMPT], [seed], list(range(args.num_steps)), [args.num_steps]),
+                num_steps=args.num_steps,
+            )
 
         def image_err(result, j: Job) -> float:
             ref = rollout(policy, [PROMPT], j.payload.seeds, sigmas, noise_level=0.7, sde_steps=j.payload.sde_steps)
@@ -311,7 +319,9 @@ def main() -> dict:
         out["warm_group_and_first_step_s"] = first - t_formed
         out["warm_restart_job_completion_s"] = before + (t_done - t_formed)
         errs["warm restart 4"] = image_err(report.results[0], rerun)
-        out["job_completion_ratio_restart_over_reform"] = out["warm_restart_job_completion_s"] / out["reform_job_completion_s"]
+        out["job_completion_ratio_restart_over_reform"] = (
+            out["warm_restart_job_completion_s"] / out["reform_job_completion_s"]
+        )
         out["first_step_ratio_restart_over_reform"] = out["warm_restart_s"] / out["reform_s"]
 
         # 5. the parts at real scale: measured bandwidths, and the projection for a Qwen-Image group
@@ -321,14 +331,21 @@ def main() -> dict:
         # restart's standby must first bring the whole transformer to its GPU, from local disk.
         out["projected_recovery_s"] = out["worker_detection_s"] + out["rendezvous_s"]
         out["projected_warm_restart_s"] = (
-            out["worker_detection_s"] + weights_gb / out["local_disk_gbps"] + weights_gb / ASSUMED_HOST_TO_GPU_GBPS + out["rendezvous_s"]
+            out["worker_detection_s"]
+            + weights_gb / out["local_disk_gbps"]
+            + weights_gb / ASSUMED_HOST_TO_GPU_GBPS
+            + out["rendezvous_s"]
         )
         out["projected_warm_restart_from_store_s"] = (
-            out["worker_detection_s"] + weights_gb / out["store_fetch_gbps"] + weights_gb / ASSUMED_HOST_TO_GPU_GBPS + out["rendezvous_s"]
+            out["worker_detection_s"]
+            + weights_gb / out["store_fetch_gbps"]
+            + weights_gb / ASSUMED_HOST_TO_GPU_GBPS
+            + out["rendezvous_s"]
         )
         out["projected_speedup"] = out["projected_warm_restart_s"] / out["projected_recovery_s"]
         out["projection"] = (
-            f"PROJECTED, not measured: Qwen-Image transformer {weights_gb:.1f} GB (bf16); detection and group formation "
+            f"PROJECTED, not measured: Qwen-Image transformer {weights_gb:.1f} GB (bf16); "
+            "detection and group formation "
             f"as measured here; local disk and store at the bandwidths measured here; host-to-GPU copy at an assumed "
             f"{ASSUMED_HOST_TO_GPU_GBPS:g} GB/s; the first denoising step is left out of both"
         )
@@ -339,12 +356,20 @@ def main() -> dict:
         cluster.shutdown()
     out["baseline"] = (
         "a warm restart: a standby process with torch and the model loaded takes the dead member's place, loads the "
-        "weights from local disk, joins the survivors at the full degree in a fresh group and reruns the job from its start"
+        "weights from local disk, joins the survivors at the full degree in a fresh group "
+        "and reruns the job from its start"
     )
     first_keys = [
-        "baseline", "reform_s", "warm_restart_s", "first_step_ratio_restart_over_reform", "job_completion_ratio_restart_over_reform",
-        "projected_recovery_s", "projected_warm_restart_s", "projected_speedup", "max_abs_err_vs_single",
-    ]  # fmt: skip
+        "baseline",
+        "reform_s",
+        "warm_restart_s",
+        "first_step_ratio_restart_over_reform",
+        "job_completion_ratio_restart_over_reform",
+        "projected_recovery_s",
+        "projected_warm_restart_s",
+        "projected_speedup",
+        "max_abs_err_vs_single",
+    ]
     ordered = {k: out[k] for k in first_keys} | {k: v for k, v in out.items() if k not in first_keys}
     return {k: (round(v, 4) if isinstance(v, float) and not k.startswith("max_abs") else v) for k, v in ordered.items()}
 

@@ -102,7 +102,15 @@ def window_plan(trace, run_s: float, ready_s: float = WORKER_READY_S) -> dict:
                 ready += ev.node_id in added and t - added[ev.node_id] > ready_s
         offset += trace.duration_s
         loops += 1
-    return {"run_s": run_s, "trace_loop_s": round(trace.duration_s, 1), "loops": loops, "preemptions": preempts, "preemptions_of_ready_nodes": ready}
+    return {
+        "run_s": run_s,
+        "trace_loop_s": round(trace.duration_s, 1),
+        "loops": loops,
+        "preemptions": preempts,
+        "preemptions_of_ready_nodes": ready,
+    }
+
+
 DEFAULT_WINDOW = {"nodes": 3, "window_s": 2400.0, "compress": 40.0}
 
 
@@ -110,7 +118,16 @@ def train(run_dir: Path, overrides: list[str], timeout_s: float) -> list[dict]:
     """One `spotlight train` of the tiny recipe in a process of its own; its metrics rows."""
     from spotlight.tracking import read_metrics
 
-    cmd = [sys.executable, "-m", "spotlight.cli", "train", str(REPO / "configs/dit/tiny-shapes.yaml"), *overrides, "--run-dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spotlight.cli",
+        "train",
+        str(REPO / "configs/dit/tiny-shapes.yaml"),
+        *overrides,
+        "--run-dir",
+        str(run_dir),
+    ]
     env = dict(os.environ, WANDB_MODE="disabled")
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, env=env, cwd=REPO)
@@ -137,8 +154,16 @@ def median_of(rows: list[dict], key: str, skip: int = 2) -> float | None:
     return round(statistics.median(values), 4) if values else None
 
 
-PHASES = ("time/iteration_s", "time/rollout_s", "time/reward_s", "time/update_s", "time/explore_s",
-          "time/rollout_publish_submit_s", "time/rollout_wait_s", "time/rollout_assemble_s")  # fmt: skip
+PHASES = (
+    "time/iteration_s",
+    "time/rollout_s",
+    "time/reward_s",
+    "time/update_s",
+    "time/explore_s",
+    "time/rollout_publish_submit_s",
+    "time/rollout_wait_s",
+    "time/rollout_assemble_s",
+)
 
 
 def runtime_figures(rows: list[dict], kind: str = "rollout") -> dict:
@@ -161,7 +186,9 @@ def runtime_figures(rows: list[dict], kind: str = "rollout") -> dict:
     }
 
 
-def explore_figures(names: list[tuple[str, str]], pairs: list[tuple[list[dict], list[dict]]], layout: list[str], root: Path) -> dict:
+def explore_figures(
+    names: list[tuple[str, str]], pairs: list[tuple[list[dict], list[dict]]], layout: list[str], root: Path
+) -> dict:
     """The exploration runs' block: per pair (explore_none, explore) the critical-path ratio, then
     the median and range over the pairs, and each stale run's accounting (nothing lost; its
     exploration jobs, the preempted ones among them; what it selected)."""
@@ -171,19 +198,27 @@ def explore_figures(names: list[tuple[str, str]], pairs: list[tuple[list[dict], 
         r = runtime_figures(e_rows)
         e = runtime_figures(e_rows, "explore")
         e["yielded_to_rollouts"] = e_rows[-1].get("runtime/explore_leases_yielded_total", 0)
-        runs.append({
-            "runs": [none_name, stale_name],
-            "iteration_s": {"none": median_of(n_rows, "time/iteration_s"), "stale": median_of(e_rows, "time/iteration_s")},
-            "update_s": {"none": median_of(n_rows, "time/update_s"), "stale": median_of(e_rows, "time/update_s")},
-            "rollout_s": {"none": median_of(n_rows, "time/rollout_s"), "stale": median_of(e_rows, "time/rollout_s")},
-            "lost_rollouts": r["submitted"] - r["delivered"] - r["cancelled"],
-            "duplicated_results": r["duplicated_results"],  # the runtime's one counter, rollout and explore jobs
-            "preemptions_hitting_work": r["preemptions_hitting_work"],
-            "candidates_scored_per_iteration": median_of(e_rows, "explore/candidates_scored"),
-            "prompts_selected_per_iteration": median_of(e_rows, "explore/prompts_selected"),
-            "fallback_late_per_iteration": median_of(e_rows, "explore/fallback_late"),
-            "explore_jobs": e,
-        })  # fmt: skip
+        runs.append(
+            {
+                "runs": [none_name, stale_name],
+                "iteration_s": {
+                    "none": median_of(n_rows, "time/iteration_s"),
+                    "stale": median_of(e_rows, "time/iteration_s"),
+                },
+                "update_s": {"none": median_of(n_rows, "time/update_s"), "stale": median_of(e_rows, "time/update_s")},
+                "rollout_s": {
+                    "none": median_of(n_rows, "time/rollout_s"),
+                    "stale": median_of(e_rows, "time/rollout_s"),
+                },
+                "lost_rollouts": r["submitted"] - r["delivered"] - r["cancelled"],
+                "duplicated_results": r["duplicated_results"],  # the runtime's one counter, rollout and explore jobs
+                "preemptions_hitting_work": r["preemptions_hitting_work"],
+                "candidates_scored_per_iteration": median_of(e_rows, "explore/candidates_scored"),
+                "prompts_selected_per_iteration": median_of(e_rows, "explore/prompts_selected"),
+                "fallback_late_per_iteration": median_of(e_rows, "explore/fallback_late"),
+                "explore_jobs": e,
+            }
+        )
     return {
         "baseline": "the same trace and layout with explore.mode=none, alternated with each stale run",
         "layout": " ".join(layout) + " (emulated: the spot nodes are processes on this machine)",
@@ -203,33 +238,61 @@ def explore_figures(names: list[tuple[str, str]], pairs: list[tuple[list[dict], 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", type=Path, nargs="+", required=True, help="trace file(s) (any format spot.traces reads)")
-    p.add_argument("--notice-s", type=float, nargs="+", default=[0.0], help="notice lead(s) in trace seconds (0: no notice)")
-    p.add_argument("--notice-poll-s", type=float, default=0.1,
-                   help="runtime.notice_poll_s of the runs with a notice: the compressed lead (120 s / 80 = 1.5 s wall) "
-                        "then holds 15 polls, where a real 120 s notice holds 60 of the watcher's 2 s polls")  # fmt: skip
+    p.add_argument(
+        "--notice-s", type=float, nargs="+", default=[0.0], help="notice lead(s) in trace seconds (0: no notice)"
+    )
+    p.add_argument(
+        "--notice-poll-s",
+        type=float,
+        default=0.1,
+        help="runtime.notice_poll_s of the runs with a notice: the compressed lead (120 s / 80 = 1.5 s wall) "
+        "then holds 15 polls, where a real 120 s notice holds 60 of the watcher's 2 s polls",
+    )
     p.add_argument("--iterations", type=int, default=24, help="training iterations of every run")
     p.add_argument("--nodes", type=int, default=None, help="peak spot nodes (default: WINDOWS)")
-    p.add_argument("--window-s", type=float, default=None, help="stretch of the trace, trace seconds (default: WINDOWS)")
+    p.add_argument(
+        "--window-s", type=float, default=None, help="stretch of the trace, trace seconds (default: WINDOWS)"
+    )
     p.add_argument("--compress", type=float, default=None, help="trace seconds per wall second (default: WINDOWS)")
     p.add_argument("--spot-nodes", type=int, default=1, help="spot nodes of the static run")
     p.add_argument("--pairs", type=int, default=2, help="local and static runs, alternated, this many of each")
-    p.add_argument("--explore", action="store_true",
-                   help="also the first trace at the first notice lead with explore.mode=stale and with none, both with --explore-layout")  # fmt: skip
-    p.add_argument("--explore-pairs", type=int, default=3,
-                   help="explore_none and explore runs, alternated, this many of each (under a trace on 2 cores one "
-                        "run's median iteration drifts by up to half from the next one's: the ratio is taken per pair)")  # fmt: skip
-    p.add_argument("--explore-layout", nargs="*", default=["runtime.local_cluster_cpus=1", "train.num_threads=1"],
-                   help="overrides of the two exploration runs: by default the local cluster (every spot node, Ray's own "
-                        "processes, the replay) on one CPU of its own and the trainer on the other, as separate machines "
-                        "would be (emulated); without it the spot workers explore on the trainer's CPUs")  # fmt: skip
+    p.add_argument(
+        "--explore",
+        action="store_true",
+        help="also the first trace at the first notice lead with explore.mode=stale and with none, "
+        "both with --explore-layout",
+    )
+    p.add_argument(
+        "--explore-pairs",
+        type=int,
+        default=3,
+        help="explore_none and explore runs, alternated, this many of each (under a trace on 2 cores one "
+        "run's median iteration drifts by up to half from the next one's: the ratio is taken per pair)",
+    )
+    p.add_argument(
+        "--explore-layout",
+        nargs="*",
+        default=["runtime.local_cluster_cpus=1", "train.num_threads=1"],
+        help="overrides of the two exploration runs: by default the local cluster (every spot node, Ray's own "
+        "processes, the replay) on one CPU of its own and the trainer on the other, as separate machines "
+        "would be (emulated); without it the spot workers explore on the trainer's CPUs",
+    )
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up a run after this long")
     p.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
-    p.add_argument("--resume", action="store_true",
-                   help="with --keep: read the runs that already finished there with the same overrides (their "
-                        "NAME.args.json and final checkpoint), and run only the others")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --keep: read the runs that already finished there with the same overrides (their "
+        "NAME.args.json and final checkpoint), and run only the others",
+    )
     p.add_argument("--json", action="store_true", help="print only the JSON lines")
-    p.add_argument("--plan-only", type=float, default=None, metavar="RUN_S",
-                   help="print what each window does in a run's first RUN_S wall seconds, and train nothing")  # fmt: skip
+    p.add_argument(
+        "--plan-only",
+        type=float,
+        default=None,
+        metavar="RUN_S",
+        help="print what each window does in a run's first RUN_S wall seconds, and train nothing",
+    )
     p.add_argument("overrides", nargs="*", help="more recipe overrides, key=value, for every run")
     args = p.parse_args()
 
@@ -245,23 +308,36 @@ def main() -> None:
         from spot.replay import fit_trace
 
         for path, window in windows.items():
-            fitted, start = fit_trace(path, nodes=int(window["nodes"]), window_s=window["window_s"], compress=window["compress"])
-            print(json.dumps({"trace": path.name, "window": window, "start_s": start, **window_plan(fitted, args.plan_only)}))
+            fitted, start = fit_trace(
+                path, nodes=int(window["nodes"]), window_s=window["window_s"], compress=window["compress"]
+            )
+            print(
+                json.dumps(
+                    {"trace": path.name, "window": window, "start_s": start, **window_plan(fitted, args.plan_only)}
+                )
+            )
         return
     n = args.iterations
     common = [
-        f"train.num_iterations={n}", "train.max_minutes=0", "log.wandb_mode=disabled", "log.images_every=0",
-        f"log.checkpoint_every={n}", *args.overrides,
-    ]  # fmt: skip
+        f"train.num_iterations={n}",
+        "train.max_minutes=0",
+        "log.wandb_mode=disabled",
+        "log.images_every=0",
+        f"log.checkpoint_every={n}",
+        *args.overrides,
+    ]
     cluster = ["runtime.rollouts=cluster"]
 
     def trace_args(path: Path, notice_s: float) -> list[str]:
         w = windows[path]
         return [
-            f"runtime.trace={path.resolve()}", f"runtime.trace_nodes={w['nodes']}", f"runtime.trace_window_s={w['window_s']}",
-            f"runtime.trace_compress={w['compress']}", f"runtime.trace_notice_s={notice_s}",
+            f"runtime.trace={path.resolve()}",
+            f"runtime.trace_nodes={w['nodes']}",
+            f"runtime.trace_window_s={w['window_s']}",
+            f"runtime.trace_compress={w['compress']}",
+            f"runtime.trace_notice_s={notice_s}",
             *([f"runtime.notice_poll_s={args.notice_poll_s}"] if notice_s > 0 else []),
-        ]  # fmt: skip
+        ]
 
     # One local and one static run serve every trace run: the same recipe, iterations and seeds.
     if args.pairs < 1:
@@ -278,7 +354,9 @@ def main() -> None:
         base = [*common, *cluster, *trace_args(args.trace[0], args.notice_s[0]), *args.explore_layout]
         if args.explore_pairs < 1:
             p.error(f"--explore-pairs must be >= 1, got {args.explore_pairs}")
-        explore_pairs = [("explore_none", "explore")] + [(f"explore_none{i}", f"explore{i}") for i in range(1, args.explore_pairs)]
+        explore_pairs = [("explore_none", "explore")] + [
+            (f"explore_none{i}", f"explore{i}") for i in range(1, args.explore_pairs)
+        ]
         for none, stale in explore_pairs:
             runs[none], runs[stale] = base, [*base, "explore.mode=stale"]
     root = args.keep or Path(tempfile.mkdtemp(prefix="spot-training-"))
@@ -299,7 +377,7 @@ def main() -> None:
                 print(f"{name}: read from {root / name} (--resume)", file=sys.stderr)
             return rows[name]
         if not args.json:
-            print(f"{name}: spotlight train ... {' '.join(runs[name][len(common):])}", file=sys.stderr)
+            print(f"{name}: spotlight train ... {' '.join(runs[name][len(common) :])}", file=sys.stderr)
         if (root / name).exists():
             shutil.rmtree(root / name)  # a run cut short, or of other overrides: from the start
         record.write_text(json.dumps(runs[name]))
@@ -318,7 +396,9 @@ def main() -> None:
     # Every rerun trains the same bits (the check that the pairs time the same work).
     static_equal = all(same_weights(final_weights(root / name, n), local_w) for pair in pairs for name in pair[1:])
     reruns_equal = all(same_weights(final_weights(root / lo, n), local_w) for lo, _ in pairs[1:])
-    pair_ratios = [median_of(rows[st], "time/iteration_s") / median_of(rows[lo], "time/iteration_s") for lo, st in pairs]
+    pair_ratios = [
+        median_of(rows[st], "time/iteration_s") / median_of(rows[lo], "time/iteration_s") for lo, st in pairs
+    ]
     ratio = round(statistics.median(pair_ratios), 3)
 
     def phase(kind: int, key: str) -> float | None:
@@ -348,14 +428,19 @@ def main() -> None:
             "iteration_time_ratio_cluster_over_local": ratio,
             "iteration_time_ratio_cluster_over_local_pairs": [round(r, 3) for r in pair_ratios],
             "local_reruns_weights_equal": reruns_equal,
-            "iteration_time_ratio_trace_over_local": round(median_of(rows[f"trace{k}"], "time/iteration_s") / median_of(rows["local"], "time/iteration_s"), 3),
+            "iteration_time_ratio_trace_over_local": round(
+                median_of(rows[f"trace{k}"], "time/iteration_s") / median_of(rows["local"], "time/iteration_s"), 3
+            ),
             "where_time_goes": where,
             "trace_run": t,
             "runs_dir": str(root / f"trace{k}"),
         }
         if args.explore and k == 0:
-            result["explore"] = explore_figures(explore_pairs, [(run(a), run(b)) for a, b in explore_pairs], args.explore_layout, root)
+            result["explore"] = explore_figures(
+                explore_pairs, [(run(a), run(b)) for a, b in explore_pairs], args.explore_layout, root
+            )
         print(json.dumps(result), flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,8 @@ trajectories, so "the reward of seed s under θ" is well defined):
 
     set A = derive_seed(train.seed, k, p, i), i < S   (its first G are the rollout's own seeds)
 
-under θ_k (fresh) and under θ_{k-s} (stale), where the stale side may be cheap (`--explore-steps N`: N denoising steps from the same seeded
+under θ_k (fresh) and under θ_{k-s} (stale), where the stale side may be cheap (`--explore-steps N`: N denoising steps
+from the same seeded
 initial noise, as explorers with `explore.num_steps` sample), and the fresh side is always the
 rollout's full sampler. Per prompt it takes
 
@@ -51,6 +52,7 @@ import numpy as np
 import torch
 from scipy.stats import kendalltau
 
+from planners import group_variance, select_contrast
 from spotlight.config import DiTRecipe
 from spotlight.config_io import load_config
 from spotlight.grpo import group_advantages
@@ -58,7 +60,6 @@ from spotlight.policy import DiTPolicy, load_policy, load_trainable_state, train
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import CombinedReward, build_reward
 from spotlight.rollout import resolve_autocast, rollout
-from planners import group_variance, select_contrast
 from spotlight.sampling import derive_seed, qwen_image_sigmas
 from spotlight.train import plan_iteration
 from spotlight.trainer import GRPOTrainer
@@ -117,13 +118,21 @@ Hook = Callable[[TinyRun, IterationPlan], None]
 
 
 def sample_rewards(
-    run: TinyRun, policy: DiTPolicy, prompts: Sequence[str], seeds: Sequence[int], sde_steps: Sequence[int], sigmas: torch.Tensor | None = None
+    run: TinyRun,
+    policy: DiTPolicy,
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    sde_steps: Sequence[int],
+    sigmas: torch.Tensor | None = None,
 ) -> np.ndarray:
     """(B,) rewards of one trajectory per (prompt, seed), sampled exactly as the training rollout
     samples (or on another schedule `sigmas`: cheap exploration)."""
     s = run.cfg.sample
     ro = rollout(
-        policy, prompts, seeds, run.sigmas if sigmas is None else sigmas,
+        policy,
+        prompts,
+        seeds,
+        run.sigmas if sigmas is None else sigmas,
         noise_level=s.noise_level,
         sde_steps=sde_steps,
         sde_type=s.sde_type,
@@ -131,7 +140,7 @@ def sample_rewards(
         negative_prompt=s.negative_prompt,
         batch_size=s.batch_size,
         autocast=resolve_autocast(s.autocast, policy.device, run.cfg.train.objective),
-    )  # fmt: skip
+    )
     return run.reward_fn(ro.images, list(prompts)).total_B.double().numpy()
 
 
@@ -156,7 +165,10 @@ def train(run: TinyRun, num_iterations: int, hook: Hook, *, log: Callable[[str],
         t0 = time.monotonic()
         prompts, seeds, sde_steps = plan_iteration(cfg, run.train_prompts, it)
         ro = rollout(
-            run.policy, prompts, seeds, run.sigmas,
+            run.policy,
+            prompts,
+            seeds,
+            run.sigmas,
             noise_level=cfg.sample.noise_level,
             sde_steps=sde_steps,
             sde_type=cfg.sample.sde_type,
@@ -164,7 +176,7 @@ def train(run: TinyRun, num_iterations: int, hook: Hook, *, log: Callable[[str],
             negative_prompt=cfg.sample.negative_prompt,
             batch_size=cfg.sample.batch_size,
             autocast=resolve_autocast(cfg.sample.autocast, run.policy.device, cfg.train.objective),
-        )  # fmt: skip
+        )
         reward = run.reward_fn(ro.images, prompts)
         t1 = time.monotonic()
         hook(run, IterationPlan(it, prompts, seeds, sde_steps, reward.total_B.double().numpy()))
@@ -175,7 +187,10 @@ def train(run: TinyRun, num_iterations: int, hook: Hook, *, log: Callable[[str],
         result.rewards.append(float(valid.mean()) if len(valid) else float("nan"))
         result.train_seconds += time.monotonic() - t2 + t1 - t0
         result.hook_seconds += t2 - t1
-        log(f"iteration {it}: reward {result.rewards[-1]:.4f}, train {time.monotonic() - t2 + t1 - t0:.1f}s, hook {t2 - t1:.1f}s")
+        log(
+            f"iteration {it}: reward {result.rewards[-1]:.4f}, "
+            f"train {time.monotonic() - t2 + t1 - t0:.1f}s, hook {t2 - t1:.1f}s"
+        )
     return result
 
 
@@ -205,7 +220,9 @@ def tau_b(x: np.ndarray, y: np.ndarray) -> float | None:
     return float(kendalltau(x, y, variant="b").statistic)
 
 
-def selection_figures(fresh: np.ndarray, stale: np.ndarray, group_size: int, rng: np.random.Generator, draws: int) -> dict[str, float] | None:
+def selection_figures(
+    fresh: np.ndarray, stale: np.ndarray, group_size: int, rng: np.random.Generator, draws: int
+) -> dict[str, float] | None:
     """What selecting G of one prompt's S seeds by stale score gives, against the oracle's choice
     (by fresh score), random choices of the same seeds, and the default seeds (the first G).
 
@@ -231,11 +248,21 @@ class RankingProbe:
     """Hook that keeps the last states and measures tau and selection at the chosen iterations."""
 
     def __init__(
-        self, run: TinyRun, *, staleness: Sequence[int], measure_at: Sequence[int], num_prompts: int, num_seeds: int,
-        explore_steps: int = 0, random_draws: int = 32,
-    ):  # fmt: skip
+        self,
+        run: TinyRun,
+        *,
+        staleness: Sequence[int],
+        measure_at: Sequence[int],
+        num_prompts: int,
+        num_seeds: int,
+        explore_steps: int = 0,
+        random_draws: int = 32,
+    ):
         if num_prompts > run.cfg.train.prompts_per_iteration:
-            raise ValueError(f"--probe-prompts {num_prompts} exceeds train.prompts_per_iteration={run.cfg.train.prompts_per_iteration}")
+            raise ValueError(
+                f"--probe-prompts {num_prompts} exceeds "
+                f"train.prompts_per_iteration={run.cfg.train.prompts_per_iteration}"
+            )
         G = run.cfg.train.group_size
         if num_seeds <= G:
             raise ValueError(f"--seeds must be > train.group_size={G} to select G of them, got {num_seeds}")
@@ -269,7 +296,9 @@ class RankingProbe:
         fresh_a = sample_rewards(run, run.policy, prompts, seeds_a, plan.sde_steps).reshape(shape)
         for s in self.staleness:
             load_trainable_state(self.stale_policy, self.history[s - 1])
-            stale_a = sample_rewards(run, self.stale_policy, prompts, seeds_a, plan.sde_steps, self.explore_sigmas).reshape(shape)
+            stale_a = sample_rewards(
+                run, self.stale_policy, prompts, seeds_a, plan.sde_steps, self.explore_sigmas
+            ).reshape(shape)
             self.same_reward[s].append(float(np.mean(stale_a == fresh_a)))
             for j in range(len(groups)):
                 tau = tau_b(fresh_a[j], stale_a[j])
@@ -291,13 +320,24 @@ def measurement_iterations(num_iterations: int, staleness: Sequence[int], every:
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted recipe overrides, e.g. train.lr=1e-4")
-    parser.add_argument("--recipe", default=DEFAULT_RECIPE, help="DiT recipe YAML (default: configs/dit/tiny-shapes.yaml)")
+    parser.add_argument(
+        "--recipe", default=DEFAULT_RECIPE, help="DiT recipe YAML (default: configs/dit/tiny-shapes.yaml)"
+    )
     parser.add_argument("--iterations", type=int, default=25, help="training iterations")
-    parser.add_argument("--measure-every", type=int, default=3, help="measure at iterations max(staleness), +every, ...")
-    parser.add_argument("--probe-prompts", type=int, default=8, help="prompts per measurement (the iteration's first ones)")
+    parser.add_argument(
+        "--measure-every", type=int, default=3, help="measure at iterations max(staleness), +every, ..."
+    )
+    parser.add_argument(
+        "--probe-prompts", type=int, default=8, help="prompts per measurement (the iteration's first ones)"
+    )
     parser.add_argument("--seeds", type=int, default=32, help="seeds per probe prompt")
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4], help="staleness values s")
-    parser.add_argument("--explore-steps", type=int, default=0, help="denoising steps of the stale scores (0 = the rollout's): cheap exploration")
+    parser.add_argument(
+        "--explore-steps",
+        type=int,
+        default=0,
+        help="denoising steps of the stale scores (0 = the rollout's): cheap exploration",
+    )
     parser.add_argument("--random-draws", type=int, default=32, help="random selections per prompt for the control")
     parser.add_argument("--quiet", action="store_true", help="no per-iteration log on stderr")
     args = parser.parse_args(argv)
@@ -305,14 +345,21 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         raise ValueError(f"--staleness values must be >= 1, got {args.staleness}")
     measure_at = measurement_iterations(args.iterations, args.staleness, args.measure_every)
     if not measure_at:
-        raise ValueError(f"--iterations {args.iterations} leaves no iteration >= max staleness {max(args.staleness)} to measure")
+        raise ValueError(
+            f"--iterations {args.iterations} leaves no iteration >= max staleness {max(args.staleness)} to measure"
+        )
 
     began = time.monotonic()
     run = build_run(args.recipe, args.overrides)
     probe = RankingProbe(
-        run, staleness=args.staleness, measure_at=measure_at, num_prompts=args.probe_prompts, num_seeds=args.seeds,
-        explore_steps=args.explore_steps, random_draws=args.random_draws,
-    )  # fmt: skip
+        run,
+        staleness=args.staleness,
+        measure_at=measure_at,
+        num_prompts=args.probe_prompts,
+        num_seeds=args.seeds,
+        explore_steps=args.explore_steps,
+        random_draws=args.random_draws,
+    )
     log = (lambda _: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     result = train(run, args.iterations, probe, log=log)
     seconds = time.monotonic() - began
@@ -344,13 +391,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             "measured_iterations": probe.measured,
             "probe_prompts": args.probe_prompts,
             "seeds": args.seeds,
-            "sampler": {"num_steps": s_cfg.num_steps, "noise_level": s_cfg.noise_level, "sde_type": s_cfg.sde_type,
-                        "sde_window_size": s_cfg.sde_window_size},
+            "sampler": {
+                "num_steps": s_cfg.num_steps,
+                "noise_level": s_cfg.noise_level,
+                "sde_type": s_cfg.sde_type,
+                "sde_window_size": s_cfg.sde_window_size,
+            },
             "train_reward_first_last": [round(result.rewards[0], 4), round(result.rewards[-1], 4)],
             "seconds": round(seconds, 1),
             "train_seconds": round(result.train_seconds, 1),
             "probe_seconds": round(result.hook_seconds, 1),
-        }  # fmt: skip
+        }
         print(json.dumps(line), flush=True)
         lines.append(line)
     return lines

@@ -46,14 +46,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spotlight.config import DiTRecipe  # noqa: E402
-from spotlight.config_io import load_config  # noqa: E402
-from spotlight.evaluate import evaluate  # noqa: E402
-from spotlight.policy import load_policy  # noqa: E402
-from spotlight.prompts import train_and_eval_prompts  # noqa: E402
-from spotlight.rewards import build_reward  # noqa: E402
-from spotlight.tracking import read_metrics  # noqa: E402
-from spotlight.train import run_training  # noqa: E402
+from spotlight.config import DiTRecipe
+from spotlight.config_io import load_config
+from spotlight.evaluate import evaluate
+from spotlight.policy import load_policy
+from spotlight.prompts import train_and_eval_prompts
+from spotlight.rewards import build_reward
+from spotlight.tracking import read_metrics
+from spotlight.train import run_training
 
 MODES = ("none", "none_all_cores", "stale", "oracle", "stale_real")
 
@@ -69,9 +69,13 @@ def mode_overrides(mode: str, *, nodes: int, trainer_threads: int, oracle_candid
         return ["explore.mode=stale", f"explore.emulated_nodes={nodes}", threads]
     if mode == "oracle":
         return [
-            "explore.mode=inline", "explore.emulated_nodes=1", "explore.planner=uniform",
-            f"explore.max_candidates={oracle_candidates}", f"explore.fixed_budget={prompts * oracle_candidates}", threads,
-        ]  # fmt: skip
+            "explore.mode=inline",
+            "explore.emulated_nodes=1",
+            "explore.planner=uniform",
+            f"explore.max_candidates={oracle_candidates}",
+            f"explore.fixed_budget={prompts * oracle_candidates}",
+            threads,
+        ]
     if mode == "stale_real":
         return ["explore.mode=stale", "runtime.spot_nodes=1", "runtime.local_cluster_cpus=1", threads]
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
@@ -186,25 +190,49 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value (every mode)")
     parser.add_argument("--recipe", default="configs/dit/tiny-shapes.yaml")
-    parser.add_argument("--modes", default="none,none_all_cores,stale,oracle", help=f"comma-separated, of {', '.join(MODES)}")
-    parser.add_argument("--emulate-spot-nodes", default="4", help="k, or a comma-separated list of k (one stale run per k and seed)")
+    parser.add_argument(
+        "--modes", default="none,none_all_cores,stale,oracle", help=f"comma-separated, of {', '.join(MODES)}"
+    )
+    parser.add_argument(
+        "--emulate-spot-nodes", default="4", help="k, or a comma-separated list of k (one stale run per k and seed)"
+    )
     parser.add_argument("--seeds", type=int, default=3, help="training seeds per mode (train.seed 0..S-1)")
-    parser.add_argument("--iterations", type=int, default=40, help="iterations per run (the target may be reached earlier)")
+    parser.add_argument(
+        "--iterations", type=int, default=40, help="iterations per run (the target may be reached earlier)"
+    )
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--eval-seeds", type=int, default=4, help="samples per held-out prompt per evaluation")
     parser.add_argument("--target", type=float, default=None, help="held-out reward to reach (default: base + --gain)")
     parser.add_argument("--gain", type=float, default=0.05, help="target over the base's held-out reward")
-    parser.add_argument("--trainer-threads", type=int, default=1, help="the trainer's threads in none, stale and oracle")
+    parser.add_argument(
+        "--trainer-threads", type=int, default=1, help="the trainer's threads in none, stale and oracle"
+    )
     parser.add_argument("--oracle-candidates", type=int, default=64)
-    parser.add_argument("--keep", default="", help="keep the run directories here (default: a temporary directory); "
-                        "runs it already holds whole are read, not trained again")  # fmt: skip
-    parser.add_argument("--parallel", type=int, default=1,
-                        help="runs at a time, each on --trainer-threads threads (2 on 2 cores with one thread each: "
-                        "iterations to target are unaffected, wall figures then come from shared cores; "
-                        "none_all_cores uses every core and should run alone)")  # fmt: skip
-    parser.add_argument("--from-runs", default="", help="no training: recompute the figures from the run directories a --keep "
-                        "left (NAME-seedS), e.g. for another --target")  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="accepted for symmetry with the other benchmarks: stdout is always just the JSON line")
+    parser.add_argument(
+        "--keep",
+        default="",
+        help="keep the run directories here (default: a temporary directory); "
+        "runs it already holds whole are read, not trained again",
+    )
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="runs at a time, each on --trainer-threads threads (2 on 2 cores with one thread each: "
+        "iterations to target are unaffected, wall figures then come from shared cores; "
+        "none_all_cores uses every core and should run alone)",
+    )
+    parser.add_argument(
+        "--from-runs",
+        default="",
+        help="no training: recompute the figures from the run directories a --keep "
+        "left (NAME-seedS), e.g. for another --target",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="accepted for symmetry with the other benchmarks: stdout is always just the JSON line",
+    )
     args = parser.parse_args()
 
     modes = args.modes.split(",")
@@ -212,10 +240,16 @@ def main() -> None:
         mode_overrides(mode, nodes=1, trainer_threads=1, oracle_candidates=2, prompts=1)  # names a bad mode early
     nodes = [int(k) for k in args.emulate_spot_nodes.split(",")]
     common = [
-        f"train.num_iterations={args.iterations}", "train.max_minutes=0", "train.lr_cooldown=0",
-        f"eval.every={args.eval_every}", f"eval.num_seeds={args.eval_seeds}", "log.images_every=0",
-        "log.checkpoint_every=100000", "log.wandb_mode=disabled", *args.overrides,
-    ]  # fmt: skip
+        f"train.num_iterations={args.iterations}",
+        "train.max_minutes=0",
+        "train.lr_cooldown=0",
+        f"eval.every={args.eval_every}",
+        f"eval.num_seeds={args.eval_seeds}",
+        "log.images_every=0",
+        "log.checkpoint_every=100000",
+        "log.wandb_mode=disabled",
+        *args.overrides,
+    ]
     cfg = load_config(DiTRecipe, args.recipe, common)
     base_eval = None
     target = args.target
@@ -228,7 +262,9 @@ def main() -> None:
     if target is None:
         policy = load_policy(cfg.model, trainable=False)
         prompts = train_and_eval_prompts(cfg.data, cfg.reward.weights)[1]
-        summary, _ = evaluate(policy, prompts, build_reward(cfg.reward.weights, **cfg.reward.options()), cfg, progress=False)
+        summary, _ = evaluate(
+            policy, prompts, build_reward(cfg.reward.weights, **cfg.reward.options()), cfg, progress=False
+        )
         base_eval = round(summary["mean_reward"], 4)
         target = round(base_eval + args.gain, 4)
         print(f"base held-out {base_eval}, target {target}", file=sys.stderr)
@@ -244,14 +280,21 @@ def main() -> None:
         for mode, k, seed in tasks:
             name = f"{mode}@{k}" if k is not None else mode
             extra = mode_overrides(
-                mode, nodes=k or 1, trainer_threads=args.trainer_threads,
-                oracle_candidates=args.oracle_candidates, prompts=cfg.train.prompts_per_iteration,
-            )  # fmt: skip
+                mode,
+                nodes=k or 1,
+                trainer_threads=args.trainer_threads,
+                oracle_candidates=args.oracle_candidates,
+                prompts=cfg.train.prompts_per_iteration,
+            )
             # A run ends at the evaluation that reaches the target (eval.stop_at), or after --iterations.
             overrides = [*common, *extra, f"train.seed={seed}", f"eval.stop_at={target}"]
             jobs.append((name, seed, args.recipe, overrides, str(root / f"{name}-seed{seed}"), target))
         # With --parallel, several runs at once, each on its own threads (spawned processes: a fresh torch each).
-        with ProcessPoolExecutor(args.parallel, mp_context=multiprocessing.get_context("spawn")) if args.parallel > 1 else nullcontext() as pool:
+        with (
+            ProcessPoolExecutor(args.parallel, mp_context=multiprocessing.get_context("spawn"))
+            if args.parallel > 1
+            else nullcontext() as pool
+        ):
             mapper = pool.map if pool is not None else map
             for (name, seed, *_), result in zip(jobs, mapper(run_one, jobs)):
                 runs.setdefault(name, []).append(result)
@@ -259,17 +302,34 @@ def main() -> None:
     for name in runs:
         runs[name].sort(key=lambda r: r["seed"])
 
-    print(json.dumps({
-        **figures(runs, nodes),
-        "emulated": "explorer capacity of stale and oracle runs is emulated by time-slicing on this host (spotlight/emulated.py)",
-        "baseline": "none: the same trainer on default seeds, same threads; none_all_cores: the same trainer on every core",
-        "target": target, "base_eval": base_eval, "gain": args.gain, "seeds": args.seeds,
-        "iterations_per_run": args.iterations, "eval_every": args.eval_every, "eval_seeds": args.eval_seeds,
-        "trainer_threads": args.trainer_threads, "oracle_candidates": args.oracle_candidates, "overrides": args.overrides,
-        "parallel_runs": args.parallel,
-        "benchmark_s": round(time.monotonic() - started, 1),
-        "runs": runs,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                **figures(runs, nodes),
+                "emulated": (
+                    "explorer capacity of stale and oracle runs is emulated by time-slicing on this host "
+                    "(spotlight/emulated.py)"
+                ),
+                "baseline": (
+                    "none: the same trainer on default seeds, same threads; "
+                    "none_all_cores: the same trainer on every core"
+                ),
+                "target": target,
+                "base_eval": base_eval,
+                "gain": args.gain,
+                "seeds": args.seeds,
+                "iterations_per_run": args.iterations,
+                "eval_every": args.eval_every,
+                "eval_seeds": args.eval_seeds,
+                "trainer_threads": args.trainer_threads,
+                "oracle_candidates": args.oracle_candidates,
+                "overrides": args.overrides,
+                "parallel_runs": args.parallel,
+                "benchmark_s": round(time.monotonic() - started, 1),
+                "runs": runs,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -77,17 +77,39 @@ SYSTEMS = ("trl", "serial", "rollplex")
 def build(folder: Path, args) -> VLMRecipe:
     task = TaskConfig(grid_size=args.grid_size, max_shapes=4)
     spec = TinyVLMConfig(
-        text_hidden=args.hidden, text_layers=args.layers, text_heads=4, vision_hidden=args.hidden, vision_depth=args.vision_depth, vision_heads=4
+        text_hidden=args.hidden,
+        text_layers=args.layers,
+        text_heads=4,
+        vision_hidden=args.hidden,
+        vision_depth=args.vision_depth,
+        vision_heads=4,
     )
     build_tiny_vlm(folder, spec, corpus(task), image_px=args.grid_size * CELL_PX)
     PG = args.prompts * args.group_size
     overrides = [
-        f"model.path={folder}", "model.train_vision=false", "model.lora_rank=0", f"task.grid_size={args.grid_size}", "task.max_shapes=4",
-        f"train.prompts_per_iteration={args.prompts}", f"rollout.group_size={args.group_size}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        "rollout.temperature=1.0", f"train.beta={args.beta}", f"train.lr={args.lr}", "train.weight_decay=0.0", "train.max_grad_norm=1.0",
-        "train.loss_agg=token", "train.adv_std=group", "train.refill_prompts=0", "train.drop_flat_groups=false", "train.num_inner_epochs=1",
-        f"train.minibatch_size={PG}", f"train.micro_batch_size={PG}", "reward.weights={accuracy: 1.0, format: 0.1}", "log.wandb_mode=disabled",
-    ]  # fmt: skip
+        f"model.path={folder}",
+        "model.train_vision=false",
+        "model.lora_rank=0",
+        f"task.grid_size={args.grid_size}",
+        "task.max_shapes=4",
+        f"train.prompts_per_iteration={args.prompts}",
+        f"rollout.group_size={args.group_size}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        "rollout.temperature=1.0",
+        f"train.beta={args.beta}",
+        f"train.lr={args.lr}",
+        "train.weight_decay=0.0",
+        "train.max_grad_norm=1.0",
+        "train.loss_agg=token",
+        "train.adv_std=group",
+        "train.refill_prompts=0",
+        "train.drop_flat_groups=false",
+        "train.num_inner_epochs=1",
+        f"train.minibatch_size={PG}",
+        f"train.micro_batch_size={PG}",
+        "reward.weights={accuracy: 1.0, format: 0.1}",
+        "log.wandb_mode=disabled",
+    ]
     return load_config(VLMRecipe, None, overrides)
 
 
@@ -104,7 +126,9 @@ class Ours:
         self.reference = Reference(self.policy, cfg.train.beta)
         params = [p for p in self.policy.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, cfg.train.adam_beta2), weight_decay=0.0)
-        self.schedule = make_schedule(schedule, self.policy, HFRolloutEngine(self.policy), self.reference, self.optimizer, cfg)
+        self.schedule = make_schedule(
+            schedule, self.policy, HFRolloutEngine(self.policy), self.reference, self.optimizer, cfg
+        )
         self.reward_fn = CombinedReward(cfg.reward.weights)
         self.lengths: list[float] = []
 
@@ -116,7 +140,9 @@ class Ours:
         ro = self.schedule.rollout(prompts, seed=1000 + it)
         t1 = time.perf_counter()
         reward = self.reward_fn(ro.texts, [e.answer for e in examples for _ in range(G)])
-        adv = group_advantages(reward.total_B.view(len(examples), G), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip)
+        adv = group_advantages(
+            reward.total_B.view(len(examples), G), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip
+        )
         t2 = time.perf_counter()
         rows = list(range(ro.response_ids_BT.shape[0]))
         ref = self.schedule.reference_logprobs(ro, rows)
@@ -134,7 +160,13 @@ def trl_dataset(cfg: VLMRecipe, steps: int):
     rows = []
     for it in range(steps):
         for e in examples_of(cfg, it):
-            rows.append({"prompt": [{"role": "user", "content": e.question}], "image": example_image(e, cfg.task), "answer": e.answer})
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": e.question}],
+                    "image": example_image(e, cfg.task),
+                    "answer": e.answer,
+                }
+            )
     return Dataset.from_list(rows)
 
 
@@ -156,12 +188,36 @@ def make_trl(cfg: VLMRecipe, steps: int, out: Path, callbacks, banned: list[int]
     model = AutoModelForImageTextToText.from_pretrained(cfg.model.path, dtype=torch.float32)
     model.model.visual.requires_grad_(False)  # frozen, as model.train_vision=false freezes ours
     args = GRPOConfig(
-        output_dir=str(out), use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        per_device_train_batch_size=PG, gradient_accumulation_steps=1, steps_per_generation=1, num_generations=cfg.rollout.group_size,
-        num_iterations=1, max_steps=steps, max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-        top_p=1.0, top_k=0, learning_rate=tc.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
-        adam_beta1=0.9, adam_beta2=tc.adam_beta2, weight_decay=0.0, max_grad_norm=tc.max_grad_norm, beta=tc.beta,
-        epsilon=tc.clip_range, loss_type="bnpo", scale_rewards="group", shuffle_dataset=False, seed=tc.seed,
+        output_dir=str(out),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        per_device_train_batch_size=PG,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=cfg.rollout.group_size,
+        num_iterations=1,
+        max_steps=steps,
+        max_completion_length=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=tc.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=tc.adam_beta2,
+        weight_decay=0.0,
+        max_grad_norm=tc.max_grad_norm,
+        beta=tc.beta,
+        epsilon=tc.clip_range,
+        loss_type="bnpo",
+        scale_rewards="group",
+        shuffle_dataset=False,
+        seed=tc.seed,
         # TRL 1.16 multiplies the k3 term by the (differentiable) ratio by default (DeepSeek-V3.2's
         # unbiased KL gradient); GRPO as in DeepSeekMath Eq. 4, and ours, does not. Off here, so both
         # do the same update; its effect on the gradient is measured and reported.
@@ -169,18 +225,26 @@ def make_trl(cfg: VLMRecipe, steps: int, out: Path, callbacks, banned: list[int]
         # TRL's GRPOConfig turns activation checkpointing on by default (memory for time); a
         # one-process `spotlight vlm train` does not checkpoint (only its FSDP path does), so off.
         gradient_checkpointing=False,
-        dataloader_num_workers=0, remove_unused_columns=False, bf16=False, fp16=False, log_completions=False,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        bf16=False,
+        fp16=False,
+        log_completions=False,
         # Our sampler never emits vision or padding tokens (vlm.policy.mask_banned); TRL's generate
         # is told the same, so both sample from the same distribution.
         generation_kwargs={"suppress_tokens": banned},
-    )  # fmt: skip
+    )
     # The image-only Qwen2.5-VL processor (vlm/processor.py: AutoProcessor would build the video
     # processor too, which needs torchvision, absent for the CPU torch build).
     processor = load_processor(cfg.model.path, "qwen2_5_vl")
     return GRPOTrainer(
-        model=model, reward_funcs=[trl_reward(cfg)], args=args, train_dataset=trl_dataset(cfg, steps),
-        processing_class=processor, callbacks=callbacks,
-    )  # fmt: skip
+        model=model,
+        reward_funcs=[trl_reward(cfg)],
+        args=args,
+        train_dataset=trl_dataset(cfg, steps),
+        processing_class=processor,
+        callbacks=callbacks,
+    )
 
 
 class TRLPhases:
@@ -189,7 +253,12 @@ class TRLPhases:
     def __init__(self, trainer):
         self.now: dict[str, float] = {}
         self.lengths: list[float] = []
-        named = (("get_batch_samples", "data"), ("_generate", "rollout"), ("_calculate_rewards", "scoring"), ("_generate_and_score_completions", "prepare"))
+        named = (
+            ("get_batch_samples", "data"),
+            ("_generate", "rollout"),
+            ("_calculate_rewards", "scoring"),
+            ("_generate_and_score_completions", "prepare"),
+        )
         for name, key in named:
             setattr(trainer, name, self._timed(getattr(trainer, name), key))
 
@@ -209,14 +278,24 @@ class TRLPhases:
         dataloader's fetch (images decoded, collated) runs before on_step_begin and is added to the
         step and to its rollout, as our step's prompt rendering and encoding are part of ours."""
         n, self.now = self.now, {}
-        rollout, scoring, prepare, data = n.get("rollout", 0.0), n.get("scoring", 0.0), n.get("prepare", 0.0), n.get("data", 0.0)
+        rollout, scoring, prepare, data = (
+            n.get("rollout", 0.0),
+            n.get("scoring", 0.0),
+            n.get("prepare", 0.0),
+            n.get("data", 0.0),
+        )
         return {
-            "step": step_s + data, "rollout": rollout + data, "scoring": scoring,
-            "reference": prepare - rollout - scoring, "update": step_s - prepare,
-        }  # fmt: skip
+            "step": step_s + data,
+            "rollout": rollout + data,
+            "scoring": scoring,
+            "reference": prepare - rollout - scoring,
+            "update": step_s - prepare,
+        }
 
 
-def make_loop(ours: dict[str, Ours], times: dict[str, list[dict]], phases: TRLPhases, memory: dict, warmup: int, mem_step: int):
+def make_loop(
+    ours: dict[str, Ours], times: dict[str, list[dict]], phases: TRLPhases, memory: dict, warmup: int, mem_step: int
+):
     """A TRL callback: our schedules' steps run before or after each TRL step (rotating), timed apart."""
     from transformers import TrainerCallback
 
@@ -230,7 +309,7 @@ def make_loop(ours: dict[str, Ours], times: dict[str, list[dict]], phases: TRLPh
         def _ours(self, names):
             for name in names:
                 m = memory.get("ledger") if self.it == mem_step else None
-                with (m.mode() if m else contextlib.nullcontext()), (m.phase(name) if m else contextlib.nullcontext()):
+                with m.mode() if m else contextlib.nullcontext(), m.phase(name) if m else contextlib.nullcontext():
                     t = ours[name].step(self.it)
                 if self.it >= warmup and self.it != mem_step:
                     times[name].append(t)
@@ -267,7 +346,9 @@ def perturbed(params: list[torch.Tensor]) -> None:
             p.add_(0.02 * torch.randn(p.shape, generator=gen))
 
 
-def our_first_step(cfg: VLMRecipe, ro, adv_B: torch.Tensor, *, banned: bool) -> tuple[float, list[torch.Tensor], torch.Tensor]:
+def our_first_step(
+    cfg: VLMRecipe, ro, adv_B: torch.Tensor, *, banned: bool
+) -> tuple[float, list[torch.Tensor], torch.Tensor]:
     """Our serial update's loss and raw gradients on the batch `ro`, and its reference log-probs.
 
     banned=False scores over the whole vocabulary, as TRL does; ours (True) renormalises over the
@@ -314,12 +395,19 @@ def first_step_agreement(cfg: VLMRecipe, trainer) -> dict:
     perturbed(params)
     pb = ro.prompts
     inputs = {
-        "prompt_ids": pb.input_ids_BL, "prompt_mask": pb.attention_mask_BL,
-        "completion_ids": ro.response_ids_BT, "completion_mask": ro.response_mask_BT.long(),
-        "pixel_values": pb.pixel_values_NC, "image_grid_thw": pb.image_grid_thw_B3, "num_images": [1] * B,
-        "mm_token_type_ids": torch.cat([pb.mm_token_type_ids_BL, torch.zeros(B, T, dtype=pb.mm_token_type_ids_BL.dtype)], dim=1),
-        "advantages": adv_B, "num_items_in_batch": ro.response_mask_BT.sum(),
-    }  # fmt: skip
+        "prompt_ids": pb.input_ids_BL,
+        "prompt_mask": pb.attention_mask_BL,
+        "completion_ids": ro.response_ids_BT,
+        "completion_mask": ro.response_mask_BT.long(),
+        "pixel_values": pb.pixel_values_NC,
+        "image_grid_thw": pb.image_grid_thw_B3,
+        "num_images": [1] * B,
+        "mm_token_type_ids": torch.cat(
+            [pb.mm_token_type_ids_BL, torch.zeros(B, T, dtype=pb.mm_token_type_ids_BL.dtype)], dim=1
+        ),
+        "advantages": adv_B,
+        "num_items_in_batch": ro.response_mask_BT.sum(),
+    }
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     mm = {k: inputs[k] for k in ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")}
@@ -347,7 +435,11 @@ def first_step_agreement(cfg: VLMRecipe, trainer) -> dict:
         "first_step_loss_abs_diff": abs(loss_same - loss.item()),
         "first_step_grad_max_abs_diff": diff,
         "first_step_grad_max_rel_diff": diff / scale,
-        "first_step_ref_logp_max_abs_diff": (inputs["ref_per_token_logps"] - ref_same).mul(ro.response_mask_BT).abs().max().item(),
+        "first_step_ref_logp_max_abs_diff": (inputs["ref_per_token_logps"] - ref_same)
+        .mul(ro.response_mask_BT)
+        .abs()
+        .max()
+        .item(),
         "banned_tokens_loss_effect": abs(loss_ours - loss_same),
         "trl_default_kl_bias_correction_grad_rel_effect": kl_effect,
     }
@@ -357,7 +449,9 @@ def advantage_difference(G: int) -> float:
     """TRL's group normalisation against ours on the same rewards (one group of G)."""
     rewards = torch.rand(4, G, generator=torch.Generator().manual_seed(5))
     ours = group_advantages(rewards, std_mode="group", clip=1e9).adv_PG
-    trl = (rewards - rewards.mean(dim=1, keepdim=True)) / (rewards.std(dim=1, keepdim=True) + 1e-4)  # TRL 1.16's formula
+    trl = (rewards - rewards.mean(dim=1, keepdim=True)) / (
+        rewards.std(dim=1, keepdim=True) + 1e-4
+    )  # TRL 1.16's formula
     return (ours - trl).abs().max().item()
 
 
@@ -365,7 +459,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line (the default output too)")
     parser.add_argument("--grid-size", type=int, default=16, help="image side in 28-pixel cells (16: 448x448)")
-    parser.add_argument("--hidden", type=int, default=128, help="hidden size of the language model and the vision tower")
+    parser.add_argument(
+        "--hidden", type=int, default=128, help="hidden size of the language model and the vision tower"
+    )
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--vision-depth", type=int, default=4, help="vision transformer blocks")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per step (P)")
@@ -404,29 +500,51 @@ def main() -> None:
             o.schedule.close()
         peaks = memory["ledger"].peaks
         trl_lengths = phases.lengths
-        prompt_tokens = float(ours["serial"].policy.encode([examples_of(cfg, 0)[0].question], [example_image(examples_of(cfg, 0)[0], cfg.task)]).attention_mask_BL.sum())
+        prompt_tokens = float(
+            ours["serial"]
+            .policy.encode([examples_of(cfg, 0)[0].question], [example_image(examples_of(cfg, 0)[0], cfg.task)])
+            .attention_mask_BL.sum()
+        )
 
     median = {name: {k: statistics.median(t[k] for t in times[name]) for k in times[name][0]} for name in SYSTEMS}
     peak_mem = {name: round((sum(permanent[name].values()) + peaks.get(name, 0)) / MIB, 2) for name in SYSTEMS}
     lengths = {"trl": statistics.mean(trl_lengths), **{n: statistics.mean(o.lengths) for n, o in ours.items()}}
     out = {
-        "baseline": f"trl {trl.__version__} GRPOTrainer (transformers generate, on-policy, beta {args.beta}, loss_type bnpo)",
+        "baseline": (
+            f"trl {trl.__version__} GRPOTrainer (transformers generate, on-policy, beta {args.beta}, loss_type bnpo)"
+        ),
         "step_time_ratio_trl_over_ours_serial": round(median["trl"]["step"] / median["serial"]["step"], 3),
         "step_time_ratio_trl_over_ours_rollplex": round(median["trl"]["step"] / median["rollplex"]["step"], 3),
         "phase_seconds_median": {n: {k: round(v, 4) for k, v in m.items()} for n, m in median.items()},
         **{k: (round(v, 8) if isinstance(v, float) else v) for k, v in agreement.items()},
-        "first_step_tolerance": "loss abs diff <= 1e-5, gradient max rel diff <= 1e-4 (float32, different kernels' summation order)",
+        "first_step_tolerance": (
+            "loss abs diff <= 1e-5, gradient max rel diff <= 1e-4 (float32, different kernels' summation order)"
+        ),
         "advantage_max_abs_diff": round(advantage_difference(args.group_size), 4),
         "response_tokens_mean": {k: round(v, 2) for k, v in lengths.items()},
         "prompt_tokens": prompt_tokens,
         "prefix_fraction": round(prompt_tokens / (prompt_tokens + lengths["serial"]), 3),
-        "peak_mem": {"unit": "MiB", **peak_mem, "permanent": {n: round(sum(p.values()) / MIB, 2) for n, p in permanent.items()}},
-        "setup": {
-            "image_px": args.grid_size * CELL_PX, "prompts": args.prompts, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
-            "hidden": args.hidden, "layers": args.layers, "vision_depth": args.vision_depth, "repeats": args.repeats, "warmup": warmup,
-            "torch_threads": torch.get_num_threads(), "dtype": "float32", "vision_tower": "frozen", "lr": args.lr,
+        "peak_mem": {
+            "unit": "MiB",
+            **peak_mem,
+            "permanent": {n: round(sum(p.values()) / MIB, 2) for n, p in permanent.items()},
         },
-    }  # fmt: skip
+        "setup": {
+            "image_px": args.grid_size * CELL_PX,
+            "prompts": args.prompts,
+            "group_size": args.group_size,
+            "max_new_tokens": args.max_new_tokens,
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "vision_depth": args.vision_depth,
+            "repeats": args.repeats,
+            "warmup": warmup,
+            "torch_threads": torch.get_num_threads(),
+            "dtype": "float32",
+            "vision_tower": "frozen",
+            "lr": args.lr,
+        },
+    }
     print(json.dumps(out))
 
 

@@ -1,4 +1,5 @@
-"""Seed-exploration planners behind one small interface (docs/architecture.md, "Seed exploration"); plain Python and numpy.
+"""Seed-exploration planners behind one small interface (docs/architecture.md, "Seed exploration"); plain Python and
+numpy.
 
 While the trainer updates the policy, spot workers sample many candidate seeds per prompt with the
 previous weights; `select_contrast` then keeps a high-contrast group of G seeds per prompt for

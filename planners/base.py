@@ -133,7 +133,7 @@ class Planner(ABC):
     def _allocate(self, prompts: list[str], num_samples: int, group_size: int, cap: int) -> dict[str, int]:
         """Candidates per prompt: total <= num_samples, each 0 or in [G + 1, cap] (cap > G)."""
 
-    def observe(self, observations: Sequence[Observation]) -> None:
+    def observe(self, observations: Sequence[Observation]) -> None:  # noqa: B027 - optional hook, no-op default
         """Learn from the rewards an iteration revealed (default: nothing to learn)."""
 
     def state_dict(self) -> dict[str, Any]:

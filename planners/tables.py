@@ -80,7 +80,9 @@ class RewardTable:
                 raise ValueError(f"iteration {k}: explored and rewards name different prompts")
             for p, r in fresh.items():
                 if stale[p].shape != r.shape:
-                    raise ValueError(f"iteration {k}, prompt {p!r}: {stale[p].size} explored rewards for {r.size} candidates")
+                    raise ValueError(
+                        f"iteration {k}, prompt {p!r}: {stale[p].size} explored rewards for {r.size} candidates"
+                    )
 
     def max_candidates(self, iteration: int) -> int:
         """Most candidates of any prompt at that iteration."""
@@ -123,7 +125,9 @@ def load_reward_table(path: str | Path) -> RewardTable:
             stale = npz["explored"].astype(np.float64) if "explored" in npz else None
             staleness = int(npz["staleness"]) if "staleness" in npz else None
         if stale is not None and stale.shape != rewards.shape:
-            raise ValueError(f"reward table {path}: explored must be shaped like rewards {rewards.shape}, got {stale.shape}")
+            raise ValueError(
+                f"reward table {path}: explored must be shaped like rewards {rewards.shape}, got {stale.shape}"
+            )
 
         def rows(values: np.ndarray) -> list[dict[str, np.ndarray]]:
             return [
@@ -172,7 +176,9 @@ def save_reward_table(table: RewardTable, path: str | Path) -> None:
         if table.group_size is not None:
             data["group_size"] = table.group_size
         if table.explored is not None:
-            data["explored"] = [{p: it[p].tolist() for p in fresh} for fresh, it in zip(table.iterations, table.explored)]
+            data["explored"] = [
+                {p: it[p].tolist() for p in fresh} for fresh, it in zip(table.iterations, table.explored)
+            ]
         if table.staleness is not None:
             data["staleness"] = table.staleness
         path.write_text(json.dumps(data))
@@ -319,4 +325,3 @@ def replay(
                     ]
                 )
     return result
-

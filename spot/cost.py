@@ -63,17 +63,21 @@ Usage = list[list[float]]  # [[start_s, end_s, gpus], ...]
 
 @dataclass
 class CostConfig:
-    """What the run's GPUs cost: the ledger `cost.json` in the run directory (`spotlight cost RUN_DIR`, see the module docstring).
+    """What the run's GPUs cost: the ledger `cost.json` in the run directory (`spotlight cost RUN_DIR`, see the module
+    docstring).
 
     The `cost` section of a recipe (`spotlight.config.DiTRecipe.cost`).
     """
 
     on_demand_usd_per_gpu_hour: float = 6.88
-    """On-demand price of one GPU-hour (the trainer's node); the default is about AWS's p5 (H100) list price in us-east-1, mid-2025."""
+    """On-demand price of one GPU-hour (the trainer's node); the default is about AWS's p5 (H100) list price in
+    us-east-1, mid-2025."""
     trainer_gpus: int = 1
-    """GPUs of the trainer's on-demand node, charged for the whole run (a CPU run counts as one; a launch of N processes charges at least N)."""
+    """GPUs of the trainer's on-demand node, charged for the whole run (a CPU run counts as one; a launch of N processes
+    charges at least N)."""
     spot_price: Literal["discount", "history"] = "discount"
-    """How spot GPU-hours are priced: "discount" = spot_discount off on-demand; "history" = EC2 spot price history (boto3, standard AWS credential chain)."""
+    """How spot GPU-hours are priced: "discount" = spot_discount off on-demand; "history" = EC2 spot price history
+    (boto3, standard AWS credential chain)."""
     spot_discount: float = 0.6
     """"discount": spot price = (1 - spot_discount) x on-demand price."""
     instance_type: str = "p5.4xlarge"
@@ -83,7 +87,8 @@ class CostConfig:
     region: str = "us-east-1"
     """"history": AWS region of the spot nodes."""
     availability_zone: str = ""
-    """"history": AZ of the spot nodes; empty = the highest price among the region's AZs at each moment (never understates)."""
+    """"history": AZ of the spot nodes; empty = the highest price among the region's AZs at each moment (never
+    understates)."""
     product_description: str = "Linux/UNIX"
     """"history": the price's product description."""
     refresh_minutes: float = 15.0
@@ -95,7 +100,10 @@ class CostConfig:
         if not 0 <= self.spot_discount < 1:
             raise ValueError(f"cost.spot_discount must be in [0, 1), got {self.spot_discount}")
         if self.trainer_gpus < 1 or self.gpus_per_instance < 1:
-            raise ValueError(f"cost.trainer_gpus and cost.gpus_per_instance must be >= 1, got {self.trainer_gpus}, {self.gpus_per_instance}")
+            raise ValueError(
+                "cost.trainer_gpus and cost.gpus_per_instance must be >= 1, "
+                f"got {self.trainer_gpus}, {self.gpus_per_instance}"
+            )
         if self.refresh_minutes <= 0:
             raise ValueError(f"cost.refresh_minutes must be > 0, got {self.refresh_minutes}")
         if self.spot_price == "history" and not (self.instance_type and self.region):
@@ -169,7 +177,9 @@ def price_steps(records: list[SpotPriceRecord], gpus_per_instance: int, start: f
             per AZ: they make one step at `start` (before it, their maximum would be taken over
             only the AZs whose last change happened to be older).
     """
-    moments = sorted((r.time if start is None else max(r.time, start), r.availability_zone, r.usd_per_hour) for r in records)
+    moments = sorted(
+        (r.time if start is None else max(r.time, start), r.availability_zone, r.usd_per_hour) for r in records
+    )
     current: dict[str, float] = {}
     steps: Steps = []
     for i, (t, az, usd) in enumerate(moments):
@@ -228,8 +238,10 @@ def summarize(doc: dict) -> dict:
     "On-demand only" prices every GPU-second of both pools at the on-demand price of its moment.
     """
     pools = doc["pools"]
-    out = {name: {"gpu_s": gpu_seconds(p["usage"]), "usd": cost_usd(p["usage"], p["prices"]), "source": p["source"]}
-           for name, p in pools.items()}  # fmt: skip
+    out = {
+        name: {"gpu_s": gpu_seconds(p["usage"]), "usd": cost_usd(p["usage"], p["prices"]), "source": p["source"]}
+        for name, p in pools.items()
+    }
     total = sum(p["usd"] for p in out.values())
     all_usage = [u for p in pools.values() for u in p["usage"]]
     on_demand_only = cost_usd(all_usage, pools[ON_DEMAND]["prices"])
@@ -271,7 +283,7 @@ def read_ledger(path: str | os.PathLike) -> dict:
 
 def _check(doc: Any) -> None:
     if not isinstance(doc, dict) or doc.get("version") != LEDGER_VERSION:
-        raise ValueError(f"expected a JSON object with \"version\": {LEDGER_VERSION}")
+        raise ValueError(f'expected a JSON object with "version": {LEDGER_VERSION}')
     if set(doc["pools"]) != set(POOLS):
         raise ValueError(f"expected pools {list(POOLS)}, got {list(doc['pools'])}")
     for name, p in doc["pools"].items():
@@ -326,7 +338,13 @@ class CostLedger:
     """
 
     def __init__(
-        self, run_dir: str | os.PathLike, cfg: CostConfig, *, resume: bool = True, client: Any = None, now: float | None = None
+        self,
+        run_dir: str | os.PathLike,
+        cfg: CostConfig,
+        *,
+        resume: bool = True,
+        client: Any = None,
+        now: float | None = None,
     ):
         now = time.time() if now is None else now
         self.path = Path(run_dir) / COST_FILE
@@ -338,7 +356,9 @@ class CostLedger:
             except ValueError as err:
                 # A damaged ledger must not block the run: keep it for a person, start a new one.
                 aside = _set_aside(self.path)
-                logger.warning("%s; moved to %s, and this run starts a new ledger (the time it held is not counted)", err, aside)
+                logger.warning(
+                    "%s; moved to %s, and this run starts a new ledger (the time it held is not counted)", err, aside
+                )
         if not self.doc:
             pools = {name: {"source": "", "since": now, "prices": [], "usage": []} for name in POOLS}
             self.doc = {"version": LEDGER_VERSION, "pools": pools}
@@ -433,9 +453,13 @@ class CostLedger:
         cfg = self.cfg
         try:
             records = fetch_spot_price_history(
-                self._client, instance_type=cfg.instance_type, product_description=cfg.product_description,
-                start=start, end=end, availability_zone=cfg.availability_zone,
-            )  # fmt: skip
+                self._client,
+                instance_type=cfg.instance_type,
+                product_description=cfg.product_description,
+                start=start,
+                end=end,
+                availability_zone=cfg.availability_zone,
+            )
         except (BotoCoreError, ClientError) as e:
             raise ValueError(
                 f"cost.spot_price=history: could not read EC2 spot price history in {cfg.region} ({e}); it needs "

@@ -62,7 +62,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -462,8 +462,16 @@ class JobQueue:
         lease_id = self._next_lease_id
         self._next_lease_id += 1
         e.lease = _LeaseState(
-            lease_id, e.job.job_id, worker_id, pool, e.step, now + self.lease_timeout_s, reported_at=now, start_step=e.step, started_at=now
-        )  # fmt: skip
+            lease_id,
+            e.job.job_id,
+            worker_id,
+            pool,
+            e.step,
+            now + self.lease_timeout_s,
+            reported_at=now,
+            start_step=e.step,
+            started_at=now,
+        )
         e.num_leases += 1
         self._leases[lease_id] = e.lease
         self._count(e.job, leases=1)
@@ -484,7 +492,14 @@ class JobQueue:
             job = self._entries[ls.job_id].job
             # Step times of the same kind of job (an exploration step and a rollout step differ).
             mine, theirs = self._step_s.get((worker_id, job.kind)), self._step_s.get((ls.worker_id, job.kind))
-            if ls.handoff_to is not None or mine is None or theirs is None or ls.worker_id == worker_id or ls.yielding or not job.handoff:
+            if (
+                ls.handoff_to is not None
+                or mine is None
+                or theirs is None
+                or ls.worker_id == worker_id
+                or ls.yielding
+                or not job.handoff
+            ):
                 continue
             if job.version != version:
                 continue  # it would have to load other weights first
@@ -593,11 +608,22 @@ class JobQueue:
 
     def _log_lease(self, ls: _LeaseState, end: str, step: int, recomputed: int = 0) -> None:
         e = self._entries[ls.job_id]
-        self._lease_log.append({
-            "lease": ls.lease_id, "job": ls.job_id, "kind": e.job.kind, "worker": ls.worker_id, "pool": ls.pool,
-            "version": e.job.version, "from_step": ls.start_step, "to_step": step, "progress": ls.progress,
-            "end": end, "recomputed": recomputed, "seconds": round(self._clock() - ls.started_at, 4),
-        })  # fmt: skip
+        self._lease_log.append(
+            {
+                "lease": ls.lease_id,
+                "job": ls.job_id,
+                "kind": e.job.kind,
+                "worker": ls.worker_id,
+                "pool": ls.pool,
+                "version": e.job.version,
+                "from_step": ls.start_step,
+                "to_step": step,
+                "progress": ls.progress,
+                "end": end,
+                "recomputed": recomputed,
+                "seconds": round(self._clock() - ls.started_at, 4),
+            }
+        )
 
     def _live(self, lease_id: int) -> _LeaseState | None:
         ls = self._leases.get(lease_id)
@@ -629,7 +655,9 @@ class JobQueue:
         if revoked:
             self._log_lease(ls, "revoked" if requeue else "cancelled", e.step, recomputed=lost)
         else:
-            self._log_lease(ls, "handoff" if ls.handoff_to is not None else "yield" if ls.yielding else "released", e.step)
+            self._log_lease(
+                ls, "handoff" if ls.handoff_to is not None else "yield" if ls.yielding else "released", e.step
+            )
         counts = {"recomputed_steps": lost}
         if revoked:
             counts["revoked"] = 1

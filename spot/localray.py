@@ -33,5 +33,5 @@ def kill_actor(ray, actor) -> None:
     """`ray.kill` without restart; an actor that is already gone (dead node, killed) is fine."""
     try:
         ray.kill(actor, no_restart=True)
-    except Exception:  # noqa: BLE001 - Ray raises several types for an actor that no longer exists
+    except Exception:
         pass

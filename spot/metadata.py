@@ -152,7 +152,9 @@ class MetadataWatcher:
                         "instance metadata endpoint %s is unreachable (%s): no spot interruption "
                         "notices; falling back to death detection (a preempted node is seen when it "
                         "dies). Polling again every %g s.",
-                        self.endpoint, e, self.unreachable_poll_interval_s,
+                        self.endpoint,
+                        e,
+                        self.unreachable_poll_interval_s,
                     )
                     self._warned_unreachable = True
                 else:

@@ -45,6 +45,7 @@ from spot.worker import RunReport, Worker
 
 logger = logging.getLogger(__name__)
 
+
 class GroupFormError(RuntimeError):
     """A generation did not form (a member died before or during the rendezvous); the live ones are free."""
 
@@ -249,7 +250,11 @@ class WorkerPool:
                 m.state = "free"
                 self._note(m.worker_id, "ready")
         # Spot slots: one worker per unit of the node's spot resource.
-        suspect = {n for n, (t, unreachable) in self._deaths.items() if now - t < (self.suspect_s if unreachable else self.respawn_delay_s)}
+        suspect = {
+            n
+            for n, (t, unreachable) in self._deaths.items()
+            if now - t < (self.suspect_s if unreachable else self.respawn_delay_s)
+        }
         for nid, node in sorted(spot.items()):
             if nid in self._retired_nodes or nid in suspect:
                 continue
@@ -284,10 +289,15 @@ class WorkerPool:
             kwargs.update(self.on_demand_kwargs)
         kwargs.setdefault("backend", "nccl" if self.gpu else "gloo")
         actor = self._cls.options(
-            **resources, max_concurrency=4, max_restarts=0, max_task_retries=0,
+            **resources,
+            max_concurrency=4,
+            max_restarts=0,
+            max_task_retries=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(worker_id, self.make_runner, pool=pool, **kwargs)  # fmt: skip
-        self.workers[worker_id] = _Member(worker_id, actor, pool, node_id, actor.info.remote(), spawned_at=time.monotonic())
+        ).remote(worker_id, self.make_runner, pool=pool, **kwargs)
+        self.workers[worker_id] = _Member(
+            worker_id, actor, pool, node_id, actor.info.remote(), spawned_at=time.monotonic()
+        )
         self._note(worker_id, f"started on {node_id[:8]} ({pool})")
         return worker_id
 
@@ -317,7 +327,9 @@ class WorkerPool:
                 raise TimeoutError(f"{len(self.alive())} of {num_workers} workers ready after {timeout_s} s")
             time.sleep(0.1)
 
-    def load_weights(self, ids: Sequence[str], version: int, *, source: str = "auto", store_url: str = "") -> dict[str, dict]:
+    def load_weights(
+        self, ids: Sequence[str], version: int, *, source: str = "auto", store_url: str = ""
+    ) -> dict[str, dict]:
         """Bring free workers `ids` to weights `version`: copied from a sibling on their node that
         holds it ("auto"; the first on a node without one fetches from `store_url`, the others then
         copy from it), or always from the store ("store"). A sibling copy refused
@@ -398,7 +410,10 @@ class WorkerPool:
         self.generation += 1
         gen = self.generation
         port = self._tcp.port if self._tcp is not None else 0
-        refs = [m.actor.join.remote(gen, rank, len(members), self.store_host, port, self.timeout_s) for rank, m in enumerate(members)]
+        refs = [
+            m.actor.join.remote(gen, rank, len(members), self.store_host, port, self.timeout_s)
+            for rank, m in enumerate(members)
+        ]
         seconds, failed = [], []
         for m, ref in zip(members, refs):
             try:

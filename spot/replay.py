@@ -159,14 +159,15 @@ class TraceReplayer:
         end = trace.duration_s
         wrap = [
             TraceEvent(end, name, "preempt", None if lead is None else min(lead, end - added))
-            for name, added in sorted(up.items()) if name not in initial
-        ]  # fmt: skip
+            for name, added in sorted(up.items())
+            if name not in initial
+        ]
         return replace(trace, events=(*trace.events, *wrap)).timeline() if wrap else trace.timeline()
 
     def _apply_logged(self, ev: TraceEvent, offset: float) -> None:
         try:
             self._apply(TraceEvent(ev.t_s + offset, ev.node_id, ev.kind, ev.notice_lead_s), self.elapsed_s())
-        except Exception:  # noqa: BLE001 - log and keep replaying: one bad event must not freeze capacity
+        except Exception:
             logger.exception("replaying %s of %s at %.1f s failed", ev.kind, ev.node_id, ev.t_s + offset)
 
     @property
@@ -277,7 +278,12 @@ def fit_trace(
 
 
 def _trace_to_dict(trace: Trace) -> dict:
-    return {"events": [asdict(ev) for ev in trace.events], "duration_s": trace.duration_s, "source": trace.source, "format": trace.format}
+    return {
+        "events": [asdict(ev) for ev in trace.events],
+        "duration_s": trace.duration_s,
+        "source": trace.source,
+        "format": trace.format,
+    }
 
 
 def _trace_from_dict(d: dict) -> Trace:
@@ -331,7 +337,7 @@ class ReplayProcess:
         cmd = [sys.executable, "-m", "spot.replay", "serve", spec.name]
         cmd += ["--fake-imds"] * self.fake_imds + ["--loop"] * self.loop
         cmd += ["--events", str(self.events_path)] if self.events_path else []
-        self._log = open(self.log_path, "a") if self.log_path else None  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "a") if self.log_path else None
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, start_new_session=True
         )
@@ -432,7 +438,9 @@ def serve(trace: Trace, *, fake_imds: bool, loop: bool, events_path: Path | None
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m spot.replay", description="Replay a spot trace on a local Ray cluster.")
+    parser = argparse.ArgumentParser(
+        prog="python -m spot.replay", description="Replay a spot trace on a local Ray cluster."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     srv = sub.add_parser("serve", help="run a cluster that replays a fitted trace (JSON) until stdin closes")
     srv.add_argument("trace_json", type=Path)

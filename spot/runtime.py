@@ -127,9 +127,13 @@ class Runtime:
         self.membership_s = membership_s
         self.idle_tick_s = max(idle_tick_s, tick_s)
         self._waiters = 0  # callers in `wait`: the loop ticks fast for them
-        self.queue = ray.remote(JobQueue).options(
-            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(pool.here, soft=False)
-        ).remote(lease_timeout_s=lease_timeout_s, handoff=handoff and policy == "pull")
+        self.queue = (
+            ray.remote(JobQueue)
+            .options(
+                num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(pool.here, soft=False)
+            )
+            .remote(lease_timeout_s=lease_timeout_s, handoff=handoff and policy == "pull")
+        )
         self._lock = threading.RLock()
         self._arrived = threading.Condition(self._lock)
         self._results: dict[int, Result] = {}  # delivered, not yet taken
@@ -225,7 +229,9 @@ class Runtime:
             with self._lock:
                 self._waiters -= 1
 
-    def _wait(self, want: set[int], got: dict[int, Result], deadline: float, timeout_s: float, take: bool) -> dict[int, Result]:
+    def _wait(
+        self, want: set[int], got: dict[int, Result], deadline: float, timeout_s: float, take: bool
+    ) -> dict[int, Result]:
         while True:
             with self._arrived:
                 got.update(self.take(want - got.keys()))
@@ -238,7 +244,9 @@ class Runtime:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._results.update(got)
-                    raise TimeoutError(f"{len(want) - len(got)} of {len(want)} jobs without a result after {timeout_s:g} s")
+                    raise TimeoutError(
+                        f"{len(want) - len(got)} of {len(want)} jobs without a result after {timeout_s:g} s"
+                    )
                 if self._thread is not None:
                     self._arrived.wait(min(0.5, left))
                     continue
@@ -273,7 +281,7 @@ class Runtime:
         while not self._stop.is_set():
             try:
                 self.tick()
-            except BaseException as err:  # noqa: BLE001 - handed to the caller's next wait
+            except BaseException as err:
                 logger.exception("the runtime's tick failed")
                 with self._arrived:
                     self._error = err
@@ -346,7 +354,11 @@ class Runtime:
             free = self.pool.free(pool_name)
             if not free:
                 continue
-            small = [g for g in self.pool.running() if g.pool == pool_name and g.degree < degree and g.group_id not in self._merging]
+            small = [
+                g
+                for g in self.pool.running()
+                if g.pool == pool_name and g.degree < degree and g.group_id not in self._merging
+            ]
             if not small:
                 continue
             alone = len(plan_groups([(w, "") for w in free], degree, heads)) + len(small)

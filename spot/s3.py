@@ -22,9 +22,10 @@ import os
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import boto3
@@ -81,8 +82,9 @@ class S3Options:
                     "from the standard AWS chain (environment, profile, instance role)"
                 )
         if self.multipart_chunksize < _MIN_PART:
-            raise ValueError(f"multipart_chunksize must be >= {_MIN_PART} (5 MiB, S3's minimum part), "
-                             f"got {self.multipart_chunksize}")
+            raise ValueError(
+                f"multipart_chunksize must be >= {_MIN_PART} (5 MiB, S3's minimum part), got {self.multipart_chunksize}"
+            )
         if self.multipart_threshold < 1:
             raise ValueError(f"multipart_threshold must be >= 1 byte, got {self.multipart_threshold}")
         for name in ("max_concurrency", "request_attempts", "attempts"):
@@ -120,23 +122,38 @@ class _RedactCredentials(logging.Filter):
 
 _REDACT_FILTER = _RedactCredentials()
 # Logger filters do not apply to records of child loggers, so each logger gets the filter.
-_LOGGERS_THAT_PRINT_HEADERS = ("botocore.endpoint", "botocore.auth", "botocore.awsrequest",
-                               "botocore.httpsession", "botocore.hooks", "botocore.parsers",
-                               "botocore.retryhandler", "urllib3.connectionpool")
+_LOGGERS_THAT_PRINT_HEADERS = (
+    "botocore.endpoint",
+    "botocore.auth",
+    "botocore.awsrequest",
+    "botocore.httpsession",
+    "botocore.hooks",
+    "botocore.parsers",
+    "botocore.retryhandler",
+    "urllib3.connectionpool",
+)
 
 
 def install_log_redaction() -> None:
     names = set(_LOGGERS_THAT_PRINT_HEADERS)
-    names.update(n for n in logging.root.manager.loggerDict
-                 if n.split(".")[0] in ("botocore", "boto3", "s3transfer", "urllib3"))
+    names.update(
+        n for n in logging.root.manager.loggerDict if n.split(".")[0] in ("botocore", "boto3", "s3transfer", "urllib3")
+    )
     for name in names:
         log = logging.getLogger(name)
         if _REDACT_FILTER not in log.filters:
             log.addFilter(_REDACT_FILTER)
 
 
-_TRANSIENT_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
-                    "Throttling", "ThrottlingException", "RequestLimitExceeded"}
+_TRANSIENT_CODES = {
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+}
 _TRANSIENT_ERRORS = (
     botocore.exceptions.ConnectionError,  # endpoint down, connect timeout
     botocore.exceptions.HTTPClientError,  # connection closed, read timeout, stream cut
@@ -160,9 +177,7 @@ def _client_error(e: BaseException) -> botocore.exceptions.ClientError | None:
 
 def _is_missing(e: BaseException) -> bool:
     err = _client_error(e)
-    return err is not None and (
-        err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
-    )
+    return err is not None and (err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"))
 
 
 def _is_transient(e: BaseException) -> bool:
@@ -177,8 +192,10 @@ def _is_transient(e: BaseException) -> bool:
 
 def _describe(e: BaseException) -> str:
     if isinstance(e, botocore.exceptions.NoCredentialsError):
-        return ("no AWS credentials in the standard chain (set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run with an instance role)")
+        return (
+            "no AWS credentials in the standard chain (set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run with an instance role)"
+        )
     return f"{type(e).__name__}: {e}"
 
 
@@ -233,22 +250,35 @@ class S3Store(Store):
                     tries = f"{attempt} operation tr{'y' if attempt == 1 else 'ies'}"
                     raise StoreError(redact(f"{self.where(key)}: {what} failed after {tries}: {_describe(e)}")) from e
                 delay = min(opts.max_backoff_s, opts.backoff_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-                logger.warning("%s: %s failed (%s), try %d of %d; retrying in %.2f s", self.where(key),
-                               what, redact(_describe(e)), attempt, opts.attempts, delay)
+                logger.warning(
+                    "%s: %s failed (%s), try %d of %d; retrying in %.2f s",
+                    self.where(key),
+                    what,
+                    redact(_describe(e)),
+                    attempt,
+                    opts.attempts,
+                    delay,
+                )
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
     def put_file(self, key: str, path: str | os.PathLike) -> None:
         full = self._key(key)
-        self._call(f"put_file from {path}", key,
-                   lambda: self.client.upload_file(os.fspath(path), self.bucket, full, Config=self.transfer))
+        self._call(
+            f"put_file from {path}",
+            key,
+            lambda: self.client.upload_file(os.fspath(path), self.bucket, full, Config=self.transfer),
+        )
         logger.debug("put_file %s <- %s", self.where(key), path)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         full = self._key(key)
         # A fresh stream for every try: a failed one may have been read partway.
-        self._call("put_bytes", key,
-                   lambda: self.client.upload_fileobj(io.BytesIO(data), self.bucket, full, Config=self.transfer))
+        self._call(
+            "put_bytes",
+            key,
+            lambda: self.client.upload_fileobj(io.BytesIO(data), self.bucket, full, Config=self.transfer),
+        )
         logger.debug("put_bytes %s (%d bytes)", self.where(key), len(data))
 
     def get_file(self, key: str, path: str | os.PathLike) -> Path:
@@ -263,8 +293,7 @@ class S3Store(Store):
 
     def get_bytes(self, key: str) -> bytes:
         full = self._key(key)
-        return self._call("get_bytes", key,
-                          lambda: self.client.get_object(Bucket=self.bucket, Key=full)["Body"].read())
+        return self._call("get_bytes", key, lambda: self.client.get_object(Bucket=self.bucket, Key=full)["Body"].read())
 
     def exists(self, key: str) -> bool:
         full = self._key(key)

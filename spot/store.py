@@ -154,6 +154,4 @@ def open_store(url: str | os.PathLike, *, s3: S3Options | None = None) -> Store:
         from spot.s3 import S3Store  # boto3 is imported only by S3 users
 
         return S3Store(parts.netloc, check_prefix(unquote(parts.path).strip("/")), s3)
-    raise ValueError(
-        f"unsupported store URL scheme {parts.scheme!r}; use a path, file:///path or s3://bucket/prefix"
-    )
+    raise ValueError(f"unsupported store URL scheme {parts.scheme!r}; use a path, file:///path or s3://bucket/prefix")

@@ -25,8 +25,9 @@ import re
 import shutil
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any
 
 from spot.files import fsync_path
 
@@ -193,8 +194,12 @@ class Store(ABC):
                     self.delete(key)
         except StoreError as e:
             logger.warning("published %s, but left objects of an older version: %s", self.where(folder), e)
-        logger.info("published %s (%d files, %d bytes)", self.where(folder), len(entries),
-                    sum(e["size"] for e in entries.values()))
+        logger.info(
+            "published %s (%d files, %d bytes)",
+            self.where(folder),
+            len(entries),
+            sum(e["size"] for e in entries.values()),
+        )
         return manifest
 
     def read_manifest(self, key_prefix: str) -> dict[str, tuple[int, str]]:
@@ -295,7 +300,11 @@ class Store(ABC):
                 continue
             missing = [rel for rel, (size, _) in files.items() if sizes.get(f"{folder}/{rel}") != size]
             if missing:
-                logger.warning("skipping %s: %d file(s) missing or of the wrong size, e.g. %s",
-                               self.where(folder), len(missing), missing[0])
+                logger.warning(
+                    "skipping %s: %d file(s) missing or of the wrong size, e.g. %s",
+                    self.where(folder),
+                    len(missing),
+                    missing[0],
+                )
                 continue
             yield folder

@@ -183,7 +183,9 @@ class Trace:
         steps = self.availability()
         counts = [max(1, round(n * num_nodes_max / peak)) if n > 0 else 0 for _, n in steps]
         source = f"{self.source} rescaled to {num_nodes_max} nodes"
-        return Trace.from_counts([t for t, _ in steps], counts, duration_s=self.duration_s, source=source, format="rescaled")
+        return Trace.from_counts(
+            [t for t, _ in steps], counts, duration_s=self.duration_s, source=source, format="rescaled"
+        )
 
     def timeline(self) -> list[TraceEvent]:
         """Adds, notices and preemptions sorted by time: what a replayer acts on, in order.
@@ -204,9 +206,7 @@ class Trace:
     # -- construction ------------------------------------------------------------------------
 
     @staticmethod
-    def from_counts(
-        times_s: list[float], counts: list[int], *, duration_s: float, source: str, format: str
-    ) -> Trace:
+    def from_counts(times_s: list[float], counts: list[int], *, duration_s: float, source: str, format: str) -> Trace:
         """Events from an availability step function (`counts[i]` nodes from `times_s[i]` on)."""
         events: list[TraceEvent] = []
         alive: list[str] = []
@@ -242,7 +242,9 @@ def load_trace(path: str | Path, *, format: str | None = None) -> Trace:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not a text file (byte {e.start} is not UTF-8); a trace is CSV, JSON lines or JSON") from None
+        raise ValueError(
+            f"{path}: not a text file (byte {e.start} is not UTF-8); a trace is CSV, JSON lines or JSON"
+        ) from None
     except FileNotFoundError:
         raise ValueError(f"{path}: no such trace file") from None
     except OSError as e:
@@ -317,7 +319,7 @@ def _read_parcae_csv(path: Path, text: str) -> Trace:
             raise ValueError(f"{path}:{lineno}: field 2 (event) must be 'add' or 'remove', got {kind!r}")
         if not node:
             raise ValueError(f"{path}:{lineno}: field 3 (node id) is empty")
-        _apply(alive, kind, node, lambda msg: ValueError(f"{path}:{lineno}: {msg}"))
+        _apply(alive, kind, node, lambda msg: ValueError(f"{path}:{lineno}: {msg}"))  # noqa: B023 - called in the loop
         events.append(TraceEvent(t, node, "add" if kind == "add" else "preempt"))
     if not events:
         raise ValueError(f"{path}: no events")
@@ -334,7 +336,7 @@ def _read_parcae_jsonl(path: Path, text: str) -> Trace:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: column {e.colno}: not JSON: {e.msg}") from None
         if not (isinstance(row, list) and len(row) >= 3 and isinstance(row[2], dict)):
-            raise ValueError(f"{path}:{lineno}: expected [ms, kind, {{\"nodes\": [...]}}], got {line.strip()[:80]!r}")
+            raise ValueError(f'{path}:{lineno}: expected [ms, kind, {{"nodes": [...]}}], got {line.strip()[:80]!r}')
         ms, kind, info = row[0], row[1], row[2]
         t = _number(path, lineno, "element 0 (time, ms)", ms) / 1000.0
         _check_time(path, lineno, t, prev_t, "s")
@@ -349,7 +351,7 @@ def _read_parcae_jsonl(path: Path, text: str) -> Trace:
         duration = _number(path, lineno, "field 'duration' (ms)", info.get("duration", 0)) / 1000.0
         end_t = max(end_t, t + duration)
         for node in nodes:
-            _apply(alive, kind, node, lambda msg: ValueError(f"{path}:{lineno}: {msg}"))
+            _apply(alive, kind, node, lambda msg: ValueError(f"{path}:{lineno}: {msg}"))  # noqa: B023 - called here
             events.append(TraceEvent(t, node, "add" if kind == "add" else "preempt"))
     return Trace(tuple(events), duration_s=max(end_t, prev_t), source=str(path), format="parcae-jsonl")
 

@@ -209,7 +209,9 @@ class Worker:
         callbacks: list = [self._on_notice]
         if drain:
             callbacks.append(drain_node_on_notice)  # after the commit signal: the commit must not wait on it
-        self._watcher = MetadataWatcher(endpoint, poll_interval_s=poll_s, timeout_s=1.0, callbacks=tuple(callbacks)).start()
+        self._watcher = MetadataWatcher(
+            endpoint, poll_interval_s=poll_s, timeout_s=1.0, callbacks=tuple(callbacks)
+        ).start()
 
     def _on_notice(self, notice) -> None:
         if notice.kind == "interruption":
@@ -222,10 +224,15 @@ class Worker:
         import ray
 
         return {
-            "worker_id": self.worker_id, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-            "version": self.version, "generation": self._gen, "load_s": self.load_s,
-            "num_heads": self.runner.num_heads, "pool": self.pool,
-        }  # fmt: skip
+            "worker_id": self.worker_id,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "version": self.version,
+            "generation": self._gen,
+            "load_s": self.load_s,
+            "num_heads": self.runner.num_heads,
+            "pool": self.pool,
+        }
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -268,7 +275,12 @@ class Worker:
         self.runner.load_weights(version, unpack_state(packed))  # copies into this worker's parameters
         del packed
         self._set_version(version)
-        return {"source": "sibling", "num_bytes": shared.num_bytes, "zero_copy": zero_copy, "seconds": time.monotonic() - t0}
+        return {
+            "source": "sibling",
+            "num_bytes": shared.num_bytes,
+            "zero_copy": zero_copy,
+            "seconds": time.monotonic() - t0,
+        }
 
     def fetch_weights(self, store_url: str, version: int) -> dict:
         """Take weights `version` from the store (the fallback when no sibling holds it)."""
@@ -451,7 +463,13 @@ class Worker:
             if self.version != job.version:
                 # Fencing: never run a step of a job on other weights (the queue hands out only jobs
                 # of the version pulled with, so this is a broken invariant, not a race).
-                logger.error("worker %s holds weights %s, job %d needs %d: abandoned", self.worker_id, self.version, job.job_id, job.version)
+                logger.error(
+                    "worker %s holds weights %s, job %d needs %d: abandoned",
+                    self.worker_id,
+                    self.version,
+                    job.job_id,
+                    job.version,
+                )
                 report.version_mismatches += 1
                 return
             t0 = time.monotonic()

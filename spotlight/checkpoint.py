@@ -107,7 +107,9 @@ def restore_rng_state(state: dict) -> None:
     if len(saved_cuda) != num_now:
         logger.warning(
             "RNG state has %d CUDA device(s), this process sees %d; restoring the first %d",
-            len(saved_cuda), num_now, min(len(saved_cuda), num_now),
+            len(saved_cuda),
+            num_now,
+            min(len(saved_cuda), num_now),
         )
     for device, s in enumerate(saved_cuda[:num_now]):
         torch.cuda.set_rng_state(torch.tensor(s, dtype=torch.uint8), device)
@@ -368,7 +370,11 @@ def newest_intact_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
         return None
     _recover_replaced(ckpt_dir)
     named = find_latest_checkpoint(run_dir)
-    others = sorted((p for p in ckpt_dir.iterdir() if step_of(p) is not None and p.is_dir() and p != named), key=step_of, reverse=True)
+    others = sorted(
+        (p for p in ckpt_dir.iterdir() if step_of(p) is not None and p.is_dir() and p != named),
+        key=step_of,
+        reverse=True,
+    )
     damaged: list[str] = []
     for step_dir in ([named] if named is not None else []) + others:
         try:
@@ -380,12 +386,15 @@ def newest_intact_checkpoint(run_dir: str | os.PathLike) -> Checkpoint | None:
             continue
         if damaged:
             set_latest(step_dir)
-            logger.warning("resuming from %s, the newest intact checkpoint (%d damaged one(s) set aside)", step_dir, len(damaged))
+            logger.warning(
+                "resuming from %s, the newest intact checkpoint (%d damaged one(s) set aside)", step_dir, len(damaged)
+            )
         return ckpt
     if damaged:
         raise CheckpointError(
             f"{ckpt_dir}: no intact checkpoint, every one is damaged and was moved to {ckpt_dir / DAMAGED_DIR}: "
-            + "; ".join(damaged) + ". Start over with --no-resume, or restore a copy"
+            + "; ".join(damaged)
+            + ". Start over with --no-resume, or restore a copy"
         )
     return None
 
@@ -394,7 +403,7 @@ def _recover_replaced(ckpt_dir: Path) -> None:
     """Put back a step dir that a save of the same step moved aside (`.tmp-replaced-*`) and was
     killed before the new one took its place; the next save would otherwise delete it."""
     for old in sorted(ckpt_dir.glob(f"{_TMP_PREFIX}replaced-step-*")):
-        name = old.name[len(f"{_TMP_PREFIX}replaced-"):].rsplit("-", 1)[0]
+        name = old.name[len(f"{_TMP_PREFIX}replaced-") :].rsplit("-", 1)[0]
         if _STEP_DIR_RE.fullmatch(name) and not (ckpt_dir / name).exists():
             os.replace(old, ckpt_dir / name)
             logger.warning("%s: put back %s, which a save killed midway had moved aside", ckpt_dir, name)
@@ -419,12 +428,14 @@ def pick_weights(ckpt: Checkpoint, weights: str) -> tuple[dict, str]:
     where saved) and which it took, "raw" or "ema"."""
     which = "ema" if weights == "ema" or (weights == "auto" and "ema" in ckpt.tensors) else "raw"
     if which == "ema" and "ema" not in ckpt.tensors:
-        raise ValueError(f"--weights ema: {ckpt.path} has no moving average (train with train.ema_decay > 0); use --weights raw")
+        raise ValueError(
+            f"--weights ema: {ckpt.path} has no moving average (train with train.ema_decay > 0); use --weights raw"
+        )
     return ckpt.tensors["ema" if which == "ema" else "trainable"], which
 
 
 def checkpoint_kind(ckpt: Checkpoint) -> str:
-    """"dit" or "vlm": which trainer saved `ckpt` (its meta's "kind", else its config's sections);
+    """ "dit" or "vlm": which trainer saved `ckpt` (its meta's "kind", else its config's sections);
     "" when neither tells."""
     kind = ckpt.meta.get("kind") if isinstance(ckpt.meta, dict) else None
     if kind in ("dit", "vlm"):
@@ -443,7 +454,10 @@ def expect_kind(ckpt: Checkpoint, kind: str) -> None:
     found = checkpoint_kind(ckpt)
     if found and found != kind:
         command = {"dit": "spotlight eval / sample", "vlm": "spotlight vlm eval"}[found]
-        raise ValueError(f"{ckpt.path} is a {found.upper()} checkpoint, not a {kind.upper()} one; use it with `{command} --checkpoint {ckpt.path}`")
+        raise ValueError(
+            f"{ckpt.path} is a {found.upper()} checkpoint, not a {kind.upper()} one; "
+            f"use it with `{command} --checkpoint {ckpt.path}`"
+        )
 
 
 def _resolve_step_dir(path: Path) -> Path:
@@ -470,8 +484,7 @@ def _verify(step_dir: Path) -> dict:
         raise CheckpointError(f"{manifest_path}: malformed manifest, needs keys {sorted(required)}")
     if manifest["format_version"] != FORMAT_VERSION:
         raise CheckpointError(
-            f"{manifest_path}: format_version {manifest['format_version']!r}, "
-            f"this spotlight reads {FORMAT_VERSION}"
+            f"{manifest_path}: format_version {manifest['format_version']!r}, this spotlight reads {FORMAT_VERSION}"
         )
     try:
         files = {name: (int(e["size"]), str(e["sha256"])) for name, e in manifest["files"].items()}

@@ -81,7 +81,10 @@ def _policy_with_checkpoint(cfg, checkpoint: str | None, weights: str = "auto"):
         load_trainable_state(policy, state)
     except RuntimeError as err:  # torch's key and shape listing runs to kilobytes: its first line names the problem
         first = str(err).strip().splitlines()[0]
-        raise ValueError(f"{ckpt.path} does not fit the model at model.path={cfg.model.path or '(default)'}: {first}; give the recipe it was trained with") from None
+        raise ValueError(
+            f"{ckpt.path} does not fit the model at model.path={cfg.model.path or '(default)'}: {first}; "
+            "give the recipe it was trained with"
+        ) from None
     return policy, ckpt, which
 
 
@@ -142,14 +145,19 @@ def cmd_sample(args: argparse.Namespace) -> int:
     all_prompts = [p for p in prompts for _ in args.seeds]
     seeds = [s for _ in prompts for s in args.seeds]
     ro = rollout(
-        policy, all_prompts, seeds, sigmas,
+        policy,
+        all_prompts,
+        seeds,
+        sigmas,
         noise_level=cfg.sample.eval_noise_level,
         guidance_scale=cfg.sample.guidance_scale,
         negative_prompt=cfg.sample.negative_prompt,
         batch_size=cfg.eval.batch_size,
         autocast=resolve_autocast(cfg.sample.autocast, policy.device, cfg.train.objective),
-    )  # fmt: skip
-    out = save_image_grid(ro.images, args.out, nrow=len(args.seeds), captions=[f"{p} (seed {s})" for p, s in zip(all_prompts, seeds)])
+    )
+    out = save_image_grid(
+        ro.images, args.out, nrow=len(args.seeds), captions=[f"{p} (seed {s})" for p, s in zip(all_prompts, seeds)]
+    )
     print(f"wrote {out}: {len(prompts)} prompt(s) as rows x {len(args.seeds)} seed(s) as columns")
     return 0
 
@@ -221,7 +229,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if kind == "vlm":
         from vlm.cli import export_vlm_checkpoint
 
-        summary = export_vlm_checkpoint(ckpt, args.to, args.format or "transformers", weights=args.weights, force=args.force)
+        summary = export_vlm_checkpoint(
+            ckpt, args.to, args.format or "transformers", weights=args.weights, force=args.force
+        )
     else:
         from spotlight.export import export_dit
 
@@ -244,12 +254,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spotlight", description="RL post-training of generative models on spot GPUs.")
+    parser = argparse.ArgumentParser(
+        prog="spotlight", description="RL post-training of generative models on spot GPUs."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help_text: str, fn) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("items", nargs="*", metavar="[RECIPE] [key=value ...]", help="recipe YAML, then dotted overrides")
+        p.add_argument(
+            "items", nargs="*", metavar="[RECIPE] [key=value ...]", help="recipe YAML, then dotted overrides"
+        )
         p.set_defaults(fn=fn)
         return p
 
@@ -259,9 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
 
     weights_option = dict(
-        choices=["auto", "ema", "raw"], default="auto",
-        help="a checkpoint's moving average (ema, saved with train.ema_decay > 0) or trained weights (raw); auto: ema where saved",
-    )  # fmt: skip
+        choices=["auto", "ema", "raw"],
+        default="auto",
+        help="a checkpoint's moving average (ema, saved with train.ema_decay > 0) or trained weights (raw); "
+        "auto: ema where saved",
+    )
     p = command("eval", "Mean reward of a model on held-out prompts, with fixed seeds.", cmd_eval)
     p.add_argument("--checkpoint", help="run directory or checkpoint (default: the recipe's base model)")
     p.add_argument("--weights", **weights_option)
@@ -285,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("config", "Print the resolved recipe as YAML (or every field with --describe).", cmd_config)
     p.add_argument("--describe", action="store_true", help="list every field with its type, default and doc")
 
-    help_text = "Estimate GPU memory per role (trainer, rollout, explorer) of a DiT or VLM recipe, and settings that fit."
+    help_text = (
+        "Estimate GPU memory per role (trainer, rollout, explorer) of a DiT or VLM recipe, and settings that fit."
+    )
     p = command("plan", help_text, cmd_plan)
     p.add_argument("--gpus", type=int, default=1, help="GPUs of the trainer's node (default: 1)")
     p.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB (default: 80)")
@@ -299,21 +317,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     help_text = "Export a run's trained weights for diffusers (DiT) or transformers / peft (VLM)."
     p = sub.add_parser("export", help=help_text, description=help_text)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (its newest checkpoint) or one checkpoint step directory")
+    p.add_argument(
+        "run_dir", metavar="RUN_DIR", help="run directory (its newest checkpoint) or one checkpoint step directory"
+    )
     p.add_argument("--to", required=True, help="output folder (refused if it exists, unless --force)")
     p.add_argument(
-        "--format", choices=["diffusers-lora", "diffusers", "transformers", "peft"],
+        "--format",
+        choices=["diffusers-lora", "diffusers", "transformers", "peft"],
         help="DiT: diffusers-lora (QwenImagePipeline.load_lora_weights; default for LoRA runs) or diffusers "
         "(QwenImageTransformer2DModel.from_pretrained, the adapter merged); VLM: transformers "
         "(AutoModelForImageTextToText.from_pretrained, merged; default) or peft (PeftModel.from_pretrained)",
-    )  # fmt: skip
+    )
     p.add_argument("--weights", **weights_option)
     p.add_argument("--force", action="store_true", help="replace an existing --to folder")
     p.set_defaults(fn=cmd_export, items=[])
 
-    help_text = "Write a self-contained HTML report (and its PNGs) of a run directory: curves, images, planner, nodes, cost, config."
+    help_text = (
+        "Write a self-contained HTML report (and its PNGs) of a run directory: "
+        "curves, images, planner, nodes, cost, config."
+    )
     p = sub.add_parser("report", help=help_text, description=help_text)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (its metrics.jsonl, images/, explore.jsonl, cost.json, config.yaml)")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="run directory (its metrics.jsonl, images/, explore.jsonl, cost.json, config.yaml)",
+    )
     p.add_argument("--out", help="output folder (default: RUN_DIR/report); the page is OUT/index.html")
     p.set_defaults(fn=cmd_report, items=[], loads_models=False)
 

@@ -20,14 +20,21 @@ import re
 import textwrap
 import types
 import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
 __all__ = [
-    "from_dict", "parse_override", "load_config", "to_dict", "dump_yaml", "save_config",
-    "field_docs", "describe",
+    "describe",
+    "dump_yaml",
+    "field_docs",
+    "from_dict",
+    "load_config",
+    "parse_override",
+    "save_config",
+    "to_dict",
 ]
 
 T = TypeVar("T")
@@ -130,8 +137,7 @@ def _convert(tp: Any, value: Any, path: str, where: _Where, default: Any = _MISS
             item_types = list(args)
         else:
             item_types = [args[0] if args else Any] * len(value)
-        items = [_convert(t, v, f"{path}[{i}]", where)
-                 for i, (t, v) in enumerate(zip(item_types, value))]
+        items = [_convert(t, v, f"{path}[{i}]", where) for i, (t, v) in enumerate(zip(item_types, value))]
         return tuple(items) if tuple in (tp, origin) else items
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
@@ -139,8 +145,10 @@ def _convert(tp: Any, value: Any, path: str, where: _Where, default: Any = _MISS
         if isinstance(value, _DottedSection) and isinstance(default, dict):
             value = {**default, **value}  # `weights.ocr=3` adds to the default weights
         key_type, value_type = args or (Any, Any)
-        return {_convert(key_type, k, f"{path} key", where):
-                _convert(value_type, v, f"{path}.{k}", where) for k, v in value.items()}
+        return {
+            _convert(key_type, k, f"{path} key", where): _convert(value_type, v, f"{path}.{k}", where)
+            for k, v in value.items()
+        }
     if tp in _SCALARS:
         # bool is a subclass of int, but `true` for a count or a learning rate is a mistake.
         if isinstance(value, _SCALARS[tp]) and (tp is bool or not isinstance(value, bool)):
@@ -160,8 +168,7 @@ def _unknown_key(key: Any, valid: list[str], path: str, where: _Where) -> ValueE
     prefix = f"{path}." if path else ""
     close = difflib.get_close_matches(str(key), valid, n=1)
     under = f" under '{path}'" if path else ""
-    hint = (f"did you mean '{prefix}{close[0]}'?" if close
-            else f"valid keys{under}: {', '.join(valid)}")
+    hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys{under}: {', '.join(valid)}"
     return _error(where(prefix + str(key)), "", f"unknown key '{prefix}{key}'; {hint}")
 
 
@@ -202,12 +209,14 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         return key, yaml.load(raw, Loader=_Loader)
     except yaml.YAMLError as e:
-        raise ValueError(f"{COMMAND_LINE}: cannot parse the value of {text!r} as YAML ({e}); "
-                         "quote strings that contain YAML syntax") from e
+        raise ValueError(
+            f"{COMMAND_LINE}: cannot parse the value of {text!r} as YAML ({e}); quote strings that contain YAML syntax"
+        ) from e
 
 
-def load_config(cls: type[T], recipe: str | Path | None = None, overrides: Sequence[str] = (),
-                *, base: dict | None = None) -> T:
+def load_config(
+    cls: type[T], recipe: str | Path | None = None, overrides: Sequence[str] = (), *, base: dict | None = None
+) -> T:
     """Resolves a config: dataclass defaults <- `base` <- `recipe` YAML <- `overrides`.
 
     Args:
@@ -228,9 +237,11 @@ def load_config(cls: type[T], recipe: str | Path | None = None, overrides: Seque
 
     def where(path: str) -> str:
         # The layers that set this key, one of its parents, or anything under it.
-        hits = [src for key, src in origins.items()
-                if not path or key == path or key.startswith(path + ".")
-                or path.startswith((key + ".", key + "["))]
+        hits = [
+            src
+            for key, src in origins.items()
+            if not path or key == path or key.startswith(path + ".") or path.startswith((key + ".", key + "["))
+        ]
         return " + ".join(dict.fromkeys(hits)) or fallback
 
     return _build(cls, data, "", where)
@@ -272,8 +283,7 @@ def read_recipe(path: Path) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: the top level must be a mapping of config keys, "
-                         f"got {type(data).__name__}")
+        raise ValueError(f"{path}: the top level must be a mapping of config keys, got {type(data).__name__}")
     return data
 
 
@@ -314,8 +324,7 @@ def _set_dotted(data: dict, key: str, value: Any, origins: dict[str, str]) -> No
             child = node[part] = {}
             _forget(origins, parent)
         elif not isinstance(child, dict):
-            raise ValueError(f"{COMMAND_LINE}: cannot set '{key}': '{parent}' is {_show(child)}, "
-                             "not a section")
+            raise ValueError(f"{COMMAND_LINE}: cannot set '{key}': '{parent}' is {_show(child)}, not a section")
         node = child
     node[parts[-1]] = value
     _forget(origins, key)
@@ -376,9 +385,13 @@ def _own_docs(cls: type) -> dict[str, str]:
             continue
         body = ast.parse(source).body[0].body
         for stmt, nxt in zip(body, body[1:]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[stmt.target.id] = " ".join(nxt.value.value.split())
     return docs
 

@@ -66,8 +66,12 @@ class FSDPSettings:
     """How to shard the transformer, from the `FSDP_*` variables `accelerate launch` sets from `fsdp_config`."""
 
     block_classes: tuple[str, ...] = (
-        "QwenImageTransformerBlock", "Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock", "Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock",
-    )  # fmt: skip
+        "QwenImageTransformerBlock",
+        "Qwen2_5_VLDecoderLayer",
+        "Qwen2_5_VLVisionBlock",
+        "Qwen3VLTextDecoderLayer",
+        "Qwen3VLVisionBlock",
+    )
     """Class names of the modules sharded one by one (`fsdp_transformer_layer_cls_to_wrap`)."""
     reshard_after_forward: bool = True
     """Free the gathered weights of a block after its forward (`fsdp_reshard_after_forward`; FULL_SHARD)."""
@@ -81,7 +85,8 @@ class FSDPSettings:
         """The settings of an FSDP launch; ValueError for the options spotlight does not implement."""
         if env.get("FSDP_VERSION", "1") != "2":
             raise ValueError(
-                f"this accelerate config asks for FSDP version {env.get('FSDP_VERSION', '1')} (accelerate's default is 1); "
+                f"this accelerate config asks for FSDP version {env.get('FSDP_VERSION', '1')} (accelerate's default "
+                "is 1); "
                 "spotlight shards with FSDP2: set fsdp_config.fsdp_version: 2 (configs/accelerate/fsdp.yaml), "
                 "or launch with configs/accelerate/multi-gpu-ddp.yaml (cpu-2proc.yaml on CPU) for full replicas"
             )
@@ -93,7 +98,8 @@ class FSDPSettings:
         classes = tuple(c.strip() for c in env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if c.strip())
         return cls(
             block_classes=classes or cls.block_classes,
-            reshard_after_forward=env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() not in ("false", "no_shard", "shard_grad_op"),
+            reshard_after_forward=env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower()
+            not in ("false", "no_shard", "shard_grad_op"),
             activation_checkpointing=env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true",
             bf16=precision == "bf16",
         )
@@ -107,7 +113,7 @@ class DataParallel:
     """Index of this process, 0 .. world_size - 1."""
     world_size: int = 1
     """Number of processes."""
-    device: torch.device = torch.device("cpu")
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 - a torch.device is immutable
     """Where collectives run: this process's GPU with NCCL, the CPU with gloo."""
     owns_group: bool = False
     """Whether `init_data_parallel` created the process group (and `close` destroys it)."""
@@ -327,7 +333,8 @@ def load_resume_checkpoint(dp: DataParallel, run_dir: str | os.PathLike, resume:
             raise ValueError(
                 f"rank(s) {lacking} of {dp.world_size} cannot read the checkpoint {latest} that rank 0 resumes from"
                 + (f" (rank {dp.rank}: {error})" if error is not None else "")
-                + ": every rank loads it, so on several machines --run-dir must be a path on a filesystem they all share"
+                + ": every rank loads it, so on several machines --run-dir must be a path on a filesystem "
+                "they all share"
             ) from error
     return ckpt
 
@@ -367,7 +374,8 @@ def shard_module(
 
     Every rank first takes rank 0's trainable weights (accelerate's `fsdp_sync_module_states`; the
     trainers' LoRA init already follows train.seed, this covers any policy); the frozen base is
-    loaded from the same files everywhere. Then each block (the modules of `fsdp_transformer_layer_cls_to_wrap`'s classes
+    loaded from the same files everywhere. Then each block (the modules of `fsdp_transformer_layer_cls_to_wrap`'s
+    classes
     that `module` contains) and the root are `fully_shard`ed: afterwards every parameter is a
     DTensor holding 1/world_size of its rows on this rank. The gradient reduction sums (divide
     factor 1): the trainers weight each rank's loss by its share of the minibatch, as with
@@ -389,12 +397,17 @@ def shard_module(
     if not blocks:
         raise ValueError(
             f"fsdp_transformer_layer_cls_to_wrap names {list(settings.block_classes)}, none of which the model "
-            f"({type(module).__name__}) contains; list {hint} (configs/accelerate/fsdp.yaml lists the classes of every model spotlight trains)"
+            f"({type(module).__name__}) contains; list {hint} (configs/accelerate/fsdp.yaml lists the classes of "
+            "every model spotlight trains)"
         )
     if settings.activation_checkpointing:
         enable_checkpointing()
     # bf16: compute in bf16 from float32 shards (the optimizer's master weights), reduce in float32.
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if settings.bf16 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if settings.bf16
+        else MixedPrecisionPolicy()
+    )
     for block in [*blocks, *units]:
         fully_shard(block, reshard_after_forward=settings.reshard_after_forward, mp_policy=mp)
     fully_shard(module, mp_policy=mp)  # the root keeps its (small) weights gathered between forward and backward
@@ -459,7 +472,9 @@ def gather_sharded_weights(dp: DataParallel, model: torch.nn.Module, has_lora: b
 
     # Full tensors on rank 0's CPU (the others get {}); only the trainable weights: with LoRA the
     # frozen base is not gathered.
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+    weights = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    )
     if not dp.is_main:
         return None
     if has_lora:
@@ -493,7 +508,12 @@ def gather_sharded_train_state(
 
 
 def load_sharded_train_state(
-    dp: DataParallel, model: torch.nn.Module, has_lora: bool, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict
+    dp: DataParallel,
+    model: torch.nn.Module,
+    has_lora: bool,
+    optimizer: torch.optim.Optimizer,
+    weights: dict,
+    optim_state: dict,
 ) -> None:
     """Load `gather_sharded_train_state`'s layout (a checkpoint) into an FSDP-sharded `model` and its
     optimizer; a collective: rank 0's dicts are broadcast and each rank keeps its shards.
@@ -558,7 +578,9 @@ def gather_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimize
     return gather_sharded_train_state(dp, policy.transformer, policy.has_lora, optimizer)
 
 
-def load_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict) -> None:
+def load_train_state(
+    dp: DataParallel, policy, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict
+) -> None:
     """Load `gather_train_state`'s layout (a checkpoint) into the DiT policy and optimizer; a collective under FSDP."""
     from spotlight.policy import load_trainable_state
 

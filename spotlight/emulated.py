@@ -64,7 +64,9 @@ class EmulatedExplorers:
         from spotlight.jobs import DiTRunner
 
         if cfg.explore.emulated_nodes < 1:
-            raise ValueError(f"explore.emulated_nodes must be >= 1 for an emulated pool, got {cfg.explore.emulated_nodes}")
+            raise ValueError(
+                f"explore.emulated_nodes must be >= 1 for an emulated pool, got {cfg.explore.emulated_nodes}"
+            )
         self.cfg = cfg
         self.nodes = cfg.explore.emulated_nodes
         self.threads = cfg.runtime.worker_threads
@@ -95,13 +97,17 @@ class EmulatedExplorers:
         self._published = (version, weights())
 
     def submit(self, job: ExploreJob) -> int:
-        assert self._published is not None and self._published[0] == job.version, "publish the job's weights version first"
+        assert self._published is not None and self._published[0] == job.version, (
+            "publish the job's weights version first"
+        )
         handle = self._next
         self._next += 1
         self._entries[handle] = _Entry(job, self.clock(), self._paused_total, self._published[1])
         return handle
 
-    def poll(self, handles: Sequence[int], timeout_s: float | None) -> list[tuple[int, ExploreResult | None, str | None]]:
+    def poll(
+        self, handles: Sequence[int], timeout_s: float | None
+    ) -> list[tuple[int, ExploreResult | None, str | None]]:
         """Run the jobs of `handles` not run yet; return those a node would have finished by now.
 
         With timeout_s None (inline mode waits for everything) every job is returned.

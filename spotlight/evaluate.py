@@ -56,13 +56,16 @@ def evaluate(
         for i in range(0, len(my_prompts), batch):
             p, s = my_prompts[i : i + batch], my_seeds[i : i + batch]
             ro = rollout(
-                policy, p, s, sigmas,
+                policy,
+                p,
+                s,
+                sigmas,
                 noise_level=cfg.sample.eval_noise_level,
                 guidance_scale=cfg.sample.guidance_scale,
                 negative_prompt=cfg.sample.negative_prompt,
                 batch_size=batch,
                 autocast=autocast,
-            )  # fmt: skip
+            )
             keep = min(len(p), hi - lo - i)  # the padding samples are not scored
             bar.update(task, advance=len(p))
             if keep <= 0:
@@ -106,5 +109,7 @@ def _standard_errors(total_B: torch.Tensor, num_prompts: int) -> dict[str, float
     nan = math.nan
     return {
         "stderr": float((var / seeds[ok]).sum().sqrt() / ok.sum()) if ok.any() else nan,
-        "stderr_prompts": float(means[~torch.isnan(means)].std() / math.sqrt((~torch.isnan(means)).sum())) if (~torch.isnan(means)).sum() > 1 else nan,
+        "stderr_prompts": float(means[~torch.isnan(means)].std() / math.sqrt((~torch.isnan(means)).sum()))
+        if (~torch.isnan(means)).sum() > 1
+        else nan,
     }

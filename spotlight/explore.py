@@ -1,4 +1,5 @@
-"""Seed exploration with stale weights: which seeds each GRPO group trains on (docs/architecture.md, "Seed exploration").
+"""Seed exploration with stale weights: which seeds each GRPO group trains on (docs/architecture.md, "Seed
+exploration").
 
 GRPO learns only from groups whose rewards differ. Exploration samples many candidate seeds per
 prompt, scores them with the recipe's reward, and keeps a high-contrast group of G of them
@@ -152,7 +153,7 @@ def exploration_budget(update_s: float, samples_per_s: float, num_explorers: int
     """Candidates the explorers can score while the trainer updates: floor(f * t * rate * n)."""
     if update_s <= 0 or samples_per_s <= 0 or num_explorers <= 0:
         return 0
-    return int(math.floor(fraction * update_s * samples_per_s * num_explorers))
+    return math.floor(fraction * update_s * samples_per_s * num_explorers)
 
 
 @dataclass
@@ -343,7 +344,11 @@ def choose_groups(
         out = SlotOutcome(planned=int(planned), candidates=cands, rewards=[scored[slot][c] for c in cands])
         if planned > 0:
             if len(cands) > group_size:
-                rng = np.random.default_rng(derive_seed(run_seed, iteration, slot, _SELECTION_STREAM)) if rule == "random" else None
+                rng = (
+                    np.random.default_rng(derive_seed(run_seed, iteration, slot, _SELECTION_STREAM))
+                    if rule == "random"
+                    else None
+                )
                 out.chosen = [cands[i] for i in select_contrast(out.rewards, group_size, rule, rng)]
             else:
                 out.cause = failed_cause.get(slot, "partial")
@@ -393,7 +398,9 @@ class ExplorerPool(Protocol):
     def capacity(self) -> int: ...
     def publish(self, version: int, weights: WeightsSource) -> None: ...
     def submit(self, job: ExploreJob) -> Any: ...
-    def poll(self, handles: Sequence[Any], timeout_s: float | None) -> list[tuple[Any, ExploreResult | None, str | None]]: ...
+    def poll(
+        self, handles: Sequence[Any], timeout_s: float | None
+    ) -> list[tuple[Any, ExploreResult | None, str | None]]: ...
     def cancel(self, handles: Sequence[Any]) -> None: ...
     def close(self) -> None: ...
     def take_emulated_s(self) -> float:
@@ -508,9 +515,14 @@ class Exploration:
         window = self._collected.pop(iteration, None)
         if window is not None:
             outcomes = choose_groups(
-                window.counts_P, window.results, window.failed,
-                group_size=G, rule=self.ecfg.selection, run_seed=self.cfg.train.seed, iteration=iteration,
-            )  # fmt: skip
+                window.counts_P,
+                window.results,
+                window.failed,
+                group_size=G,
+                rule=self.ecfg.selection,
+                run_seed=self.cfg.train.seed,
+                iteration=iteration,
+            )
         else:
             outcomes = [SlotOutcome() for _ in prompts_P]
         seeds = list(default_seeds)
@@ -523,7 +535,9 @@ class Exploration:
             self._metrics.update(self._window_metrics(window, iteration))
         if opens_before_rollout(self.ecfg.mode, self.ecfg.window, iteration, next_batch is not None):
             next_prompts, _, next_steps = next_batch
-            self._window = self._open_window(iteration + 1, iteration, weights, next_prompts[::G], next_steps, time_limit=True)
+            self._window = self._open_window(
+                iteration + 1, iteration, weights, next_prompts[::G], next_steps, time_limit=True
+            )
         self._critical_s += time.monotonic() - t0
         return seeds
 
@@ -570,7 +584,9 @@ class Exploration:
         self._guess_samples_per_s = 0.5 * trainer_rate * self.cfg.runtime.worker_threads / torch.get_num_threads()
         if publishes_before_update(self.ecfg.mode, next_batch is not None, self.ecfg.window, iteration):
             next_prompts, _, next_steps = next_batch
-            self._window = self._open_window(iteration + 1, iteration, weights, next_prompts[::G], next_steps, time_limit=True)
+            self._window = self._open_window(
+                iteration + 1, iteration, weights, next_prompts[::G], next_steps, time_limit=True
+            )
         self._critical_s += time.monotonic() - t0
 
     def collect(self, iteration: int, window_s: float) -> None:
@@ -614,7 +630,14 @@ class Exploration:
     # -- internals ------------------------------------------------------------------------------
 
     def _open_window(
-        self, iteration: int, version: int, weights: WeightsSource, prompts_P: list[str], sde_steps: list[int], *, time_limit: bool
+        self,
+        iteration: int,
+        version: int,
+        weights: WeightsSource,
+        prompts_P: list[str],
+        sde_steps: list[int],
+        *,
+        time_limit: bool,
     ) -> _Window | None:
         """Plan batch `iteration` within the budget and submit it with weights `version`."""
         self.pool.maintain()
@@ -630,22 +653,33 @@ class Exploration:
         # Probe (module docstring): a stale window the measured throughput, not the budget
         # setting, leaves without a plan sends the smallest one; nothing waits for it.
         probe = (
-            time_limit and live > 0 and not self.ecfg.fixed_budget and plan_samples <= self.group_size
-            and exploration_budget(budget.update_s, self._guess_samples_per_s, live, self.ecfg.budget_fraction) > self.group_size
-        )  # fmt: skip
+            time_limit
+            and live > 0
+            and not self.ecfg.fixed_budget
+            and plan_samples <= self.group_size
+            and exploration_budget(budget.update_s, self._guess_samples_per_s, live, self.ecfg.budget_fraction)
+            > self.group_size
+        )
         if probe:
             plan_samples = self.group_size + 1
         if plan_samples > self.group_size:
             alloc = self.planner.plan(
-                ids, plan_samples, group_size=self.group_size,
+                ids,
+                plan_samples,
+                group_size=self.group_size,
                 max_candidates=self.ecfg.candidates_cap(self.group_size),
-            )  # fmt: skip
+            )
             counts_P = [alloc[i] for i in ids]
         jobs = split_jobs(
-            iteration, version, prompts_P, counts_P,
-            run_seed=self.cfg.train.seed, sde_steps=sde_steps, num_jobs=live,
+            iteration,
+            version,
+            prompts_P,
+            counts_P,
+            run_seed=self.cfg.train.seed,
+            sde_steps=sde_steps,
+            num_jobs=live,
             time_limit_s=budget.update_s if time_limit else None,
-        )  # fmt: skip
+        )
         handles = []
         if jobs:
             self.pool.publish(version, weights)

@@ -68,8 +68,12 @@ def export_dit(ckpt: Checkpoint, out: str | Path, fmt: str, *, weights: str = "a
     if fmt not in DIT_FORMATS:
         raise ValueError(f"--format {fmt}: a DiT run exports as {' or '.join(DIT_FORMATS)}")
     if fmt == "diffusers-lora" and not ckpt.meta.get("lora_rank"):
-        raise ValueError(f"--format diffusers-lora: {ckpt.path} trained the whole transformer (no LoRA); use --format diffusers")
-    cfg, policy, which = rebuild_policy(ckpt, DiTRecipe, load_policy, load_trainable_state, weights, gradient_checkpointing=False)
+        raise ValueError(
+            f"--format diffusers-lora: {ckpt.path} trained the whole transformer (no LoRA); use --format diffusers"
+        )
+    cfg, policy, which = rebuild_policy(
+        ckpt, DiTRecipe, load_policy, load_trainable_state, weights, gradient_checkpointing=False
+    )
     out = prepare_out(out, force)
     transformer = policy.transformer
     if fmt == "diffusers-lora":
@@ -77,9 +81,10 @@ def export_dit(ckpt: Checkpoint, out: str | Path, fmt: str, *, weights: str = "a
         from peft.utils import get_peft_model_state_dict
 
         QwenImagePipeline.save_lora_weights(
-            out, transformer_lora_layers=get_peft_model_state_dict(transformer),
+            out,
+            transformer_lora_layers=get_peft_model_state_dict(transformer),
             transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict(),
-        )  # fmt: skip
+        )
     else:
         if policy.has_lora:
             transformer.fuse_lora()  # W + (alpha / r) B A, then the adapter layers are removed

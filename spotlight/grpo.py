@@ -145,7 +145,9 @@ def nft_optimality(adv_B: torch.Tensor, adv_max: float) -> torch.Tensor:
     return 0.5 + 0.5 * (adv_B / adv_max).clamp(-1, 1)
 
 
-def nft_level_indices(num_levels: int, shape: tuple[int, ...], sampling: str, generator: torch.Generator) -> torch.Tensor:
+def nft_level_indices(
+    num_levels: int, shape: tuple[int, ...], sampling: str, generator: torch.Generator
+) -> torch.Tensor:
     """Indices into a schedule of `num_levels` noise levels, of shape `shape` (..., K): K per group.
 
     Both ways every index is marginally uniform, so the loss estimate has the same expectation.

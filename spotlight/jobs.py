@@ -149,7 +149,9 @@ class DiTRunner(JobRunner):
         self.sigmas = qwen_image_sigmas(cfg.sample.num_steps, self.policy.latent_shape[0])
         # Cheap exploration (explore.num_steps): the same seeded initial noise, integrated in fewer
         # ODE steps; the stale score then approximates the full-step sample's.
-        self.explore_sigmas = qwen_image_sigmas(cfg.explore.num_steps or cfg.sample.num_steps, self.policy.latent_shape[0])
+        self.explore_sigmas = qwen_image_sigmas(
+            cfg.explore.num_steps or cfg.sample.num_steps, self.policy.latent_shape[0]
+        )
         self.autocast = AUTOCAST_DTYPES[resolve_autocast(cfg.sample.autocast, self.policy.device, cfg.train.objective)]
         self.ctx = install_ulysses(self.policy.transformer, ctx)
         self.num_heads = self.ctx.num_heads
@@ -194,10 +196,17 @@ class DiTRunner(JobRunner):
         s = self.cfg.sample
         sde_steps = state.payload.sde_steps
         traj = sample(
-            self._velocity(state.batch), rows[1], self.policy.latent_shape, sigmas[: state.step + 2],
-            noise_level=s.noise_level, sde_steps=sde_steps, sde_type=s.sde_type,
-            start_step=state.step, start_latents=state.latent, device=self.policy.device,
-        )  # fmt: skip
+            self._velocity(state.batch),
+            rows[1],
+            self.policy.latent_shape,
+            sigmas[: state.step + 2],
+            noise_level=s.noise_level,
+            sde_steps=sde_steps,
+            sde_type=s.sde_type,
+            start_step=state.step,
+            start_latents=state.latent,
+            device=self.policy.device,
+        )
         if isinstance(state.payload, RolloutJob):
             if state.step == 0 and 0 in state.payload.keep:
                 state.kept[0] = traj.latents[0].cpu().clone()
@@ -230,9 +239,15 @@ class DiTRunner(JobRunner):
             return RolloutOutput(list(job.keep), latents, torch.stack(state.log_probs), state.images)
         n = len(state.rewards)
         return ExploreResult(
-            iteration=job.iteration, version=self.version, slots=job.slots[:n], candidates=job.candidates[:n],
-            rewards=list(state.rewards), busy_s=state.busy_s, complete=n == len(job.seeds), explorer=self.name,
-        )  # fmt: skip
+            iteration=job.iteration,
+            version=self.version,
+            slots=job.slots[:n],
+            candidates=job.candidates[:n],
+            rewards=list(state.rewards),
+            busy_s=state.busy_s,
+            complete=n == len(job.seeds),
+            explorer=self.name,
+        )
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -300,7 +315,9 @@ def explore_num_steps(cfg: DiTRecipe, job: ExploreJob) -> int:
     return -(-len(job.seeds) // bs) * (cfg.explore.num_steps or cfg.sample.num_steps)
 
 
-def rollout_jobs(cfg: DiTRecipe, prompts: Sequence[str], seeds: Sequence[int], sde_steps: Sequence[int]) -> list[RolloutJob]:
+def rollout_jobs(
+    cfg: DiTRecipe, prompts: Sequence[str], seeds: Sequence[int], sde_steps: Sequence[int]
+) -> list[RolloutJob]:
     """An iteration's rows cut into jobs of `runtime.job_size` rows (at most `sample.batch_size`), in order."""
     n = cfg.sample.num_steps
     keep = {n}
@@ -313,7 +330,9 @@ def rollout_jobs(cfg: DiTRecipe, prompts: Sequence[str], seeds: Sequence[int], s
     ]
 
 
-def assemble_rollout(cfg: DiTRecipe, jobs: Sequence[RolloutJob], outputs: Sequence[RolloutOutput], sigmas: torch.Tensor) -> Rollout:
+def assemble_rollout(
+    cfg: DiTRecipe, jobs: Sequence[RolloutJob], outputs: Sequence[RolloutOutput], sigmas: torch.Tensor
+) -> Rollout:
     """One `Rollout` of the jobs' rows, in order; latents nobody kept are NaN (the update never reads them)."""
     n = cfg.sample.num_steps
     first = outputs[0]

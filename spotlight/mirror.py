@@ -31,8 +31,8 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from spot.store import open_store
 from spot.store_base import MANIFEST_NAME, Store, StoreError
@@ -130,7 +130,9 @@ class CheckpointMirror:
                 self.store.fetch_dir(folder, dest)
             except StoreError as err:  # a damaged copy in the store: the one before it will do
                 shutil.rmtree(dest, ignore_errors=True)
-                logger.warning("%s is damaged in the store (%s); trying the previous one", self.store.where(folder), err)
+                logger.warning(
+                    "%s is damaged in the store (%s); trying the previous one", self.store.where(folder), err
+                )
                 continue
             break
         else:

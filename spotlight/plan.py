@@ -58,9 +58,10 @@ meta-device and reward-model helpers, the suggestions and the output; the DiT es
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -90,19 +91,50 @@ GROUPS = ("weights", "gradients", "optimizer", "activations", "buffers")
 #   986M); GOT-OCR-2.0 (Wei et al. 2024, arXiv:2409.01704, abstract: 580M); DETR-ResNet-50 (Carion
 #   et al. 2020, arXiv:2005.12872, Table 1: 41M).
 QWEN_IMAGE_TRANSFORMER = dict(
-    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
-    joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56),
-)  # fmt: skip
-QWEN_IMAGE_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[], temperal_downsample=[False, True, True])
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=60,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=3584,
+    guidance_embeds=False,
+    axes_dims_rope=(16, 56, 56),
+)
+QWEN_IMAGE_VAE = dict(
+    base_dim=96,
+    z_dim=16,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+)
 QWEN2_5_VL_VISION = dict(
-    depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
-    temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
-)  # fmt: skip
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[7, 15, 23, 31],
+    tokens_per_second=2,
+)
 QWEN2_5_VL_TEXT = {
-    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
-    "32B": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8),
+    "7B": dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4
+    ),
+    "32B": dict(
+        hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8
+    ),
 }
-REWARD_MODELS = {"clip_score": "clip_model_path", "pickscore": "clip_model_path", "ocr": "ocr_model_path", "geneval": "detector_model_path"}
+REWARD_MODELS = {
+    "clip_score": "clip_model_path",
+    "pickscore": "clip_model_path",
+    "ocr": "ocr_model_path",
+    "geneval": "detector_model_path",
+}
 """Model-based rewards and the option holding their folder (the other rewards need no model)."""
 PUBLISHED_REWARD_PARAMS = {
     "clip_model_path": (986_000_000, "PickScore_v1 / CLIP ViT-H/14 (published: 986M)"),
@@ -213,12 +245,25 @@ class Plan:
         out["headroom"] = HEADROOM
         out["roles"] = [
             {
-                "name": r.name, "where": r.where, "note": r.note, "total_gib": round(r.total / GIB, 3), "fits": self.fits(r),
+                "name": r.name,
+                "where": r.where,
+                "note": r.note,
+                "total_gib": round(r.total / GIB, 3),
+                "fits": self.fits(r),
                 "groups_gib": {g: round(b / GIB, 3) for g, b in r.by_group().items()},
-                "terms": [{"group": t.group, "name": t.name, "gib": round(t.bytes / GIB, 4), "bytes": int(t.bytes), "how": t.how} for t in r.terms],
+                "terms": [
+                    {
+                        "group": t.group,
+                        "name": t.name,
+                        "gib": round(t.bytes / GIB, 4),
+                        "bytes": int(t.bytes),
+                        "how": t.how,
+                    }
+                    for t in r.terms
+                ],
             }
             for r in self.roles
-        ]  # fmt: skip
+        ]
         return out
 
 
@@ -297,8 +342,16 @@ def _degrees(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def suggest(plan: Plan, roles_for: Callable[[Layout], list[Role]], base: Layout, *, heads: int, sp_trains: bool,
-            gc_option: bool, batch_knob: tuple[str, int, Callable[[int], list[Role]]] | None) -> list[str]:
+def suggest(
+    plan: Plan,
+    roles_for: Callable[[Layout], list[Role]],
+    base: Layout,
+    *,
+    heads: int,
+    sp_trains: bool,
+    gc_option: bool,
+    batch_knob: tuple[str, int, Callable[[int], list[Role]]] | None,
+) -> list[str]:
     """Settings under which the trainer's GPUs (its update and rollout phases) fit.
 
     Tries every combination of gradient checkpointing (where the recipe has it), LoRA rank 64 (for a
@@ -320,7 +373,9 @@ def suggest(plan: Plan, roles_for: Callable[[Layout], list[Role]], base: Layout,
                         roles = [r for r in roles_for(layout) if r.name in ("trainer", "rollout")]
                         total = max(r.total for r in roles)
                         if total <= usable:
-                            changes = (gc != base.gradient_checkpointing) + (rank != base.lora_rank) + (fsdp > 1) + (sp > 1)
+                            changes = (
+                                (gc != base.gradient_checkpointing) + (rank != base.lora_rank) + (fsdp > 1) + (sp > 1)
+                            )
                             candidates.append((changes, fsdp, sp, layout, total))
         candidates.sort(key=lambda c: c[:3])
         shown = 0
@@ -340,10 +395,17 @@ def suggest(plan: Plan, roles_for: Callable[[Layout], list[Role]], base: Layout,
             if shown == 3:
                 break
         if not candidates:
-            out.append(f"no combination of LoRA / FSDP (<= {base.gpus} GPUs) / SP fits the trainer: use larger GPUs or more of them")
+            out.append(
+                f"no combination of LoRA / FSDP (<= {base.gpus} GPUs) / SP fits the trainer: use larger GPUs or more "
+                "of them"
+            )
         if batch_knob is not None:
             name, current, roles_at = batch_knob
-            fitting = [b for b in range(current - 1, 0, -1) if max(r.total for r in roles_at(b) if r.name in ("trainer", "rollout")) <= usable]
+            fitting = [
+                b
+                for b in range(current - 1, 0, -1)
+                if max(r.total for r in roles_at(b) if r.name in ("trainer", "rollout")) <= usable
+            ]
             if fitting:
                 out.append(f"or {name}={fitting[0]} (fewer samples per forward) fits as configured otherwise")
     return out
@@ -353,7 +415,7 @@ def suggest(plan: Plan, roles_for: Callable[[Layout], list[Role]], base: Layout,
 
 
 def recipe_kind(path: str | None) -> str:
-    """"vlm" for a VLM recipe (it has `rollout` or `task` sections), else "dit"."""
+    """ "vlm" for a VLM recipe (it has `rollout` or `task` sections), else "dit"."""
     if path is None:
         return "dit"
     from spotlight.config_io import read_recipe
@@ -388,14 +450,20 @@ def print_plan(plan: Plan, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    console.print(f"[bold]spotlight plan[/bold] {plan.recipe} ({plan.kind}): {plan.gpus} GPU(s) x {plan.gpu_mem_gib:g} GiB, "
-                  f"{_gib(plan.usable_bytes)} usable ({HEADROOM:.0%} headroom)")
+    console.print(
+        f"[bold]spotlight plan[/bold] {plan.recipe} ({plan.kind}): {plan.gpus} GPU(s) x {plan.gpu_mem_gib:g} GiB, "
+        f"{_gib(plan.usable_bytes)} usable ({HEADROOM:.0%} headroom)"
+    )
     for part, source in plan.sources.items():
         console.print(f"  {part}: {source}")
     console.print("  " + ", ".join(f"{k}={v}" for k, v in plan.shapes.items()))
     for role in plan.roles:
         fits = "[green]fits[/green]" if plan.fits(role) else "[red]does not fit[/red]"
-        table = Table(title=f"{role.name}: {role.where} — {_gib(role.total)}, {fits}", caption=role.note or None, title_justify="left")
+        table = Table(
+            title=f"{role.name}: {role.where} — {_gib(role.total)}, {fits}",
+            caption=role.note or None,
+            title_justify="left",
+        )
         for col, justify in (("group", "left"), ("component", "left"), ("GiB", "right"), ("how", "left")):
             table.add_column(col, justify=justify, overflow="fold")
         for t in role.terms:
@@ -405,7 +473,9 @@ def print_plan(plan: Plan, console=None) -> None:
     console.print("[bold]summary[/bold]")
     for role in plan.roles:
         groups = ", ".join(f"{g} {b / GIB:.1f}" for g, b in role.by_group().items() if b)
-        console.print(f"  {role.name:9s} {role.total / GIB:8.2f} GiB  {'fits' if plan.fits(role) else 'DOES NOT FIT'}  ({groups})")
+        console.print(
+            f"  {role.name:9s} {role.total / GIB:8.2f} GiB  {'fits' if plan.fits(role) else 'DOES NOT FIT'}  ({groups})"
+        )
     for s in plan.suggestions:
         console.print(f"  - {s}")
 

@@ -29,6 +29,7 @@ from spotlight.plan import (
     suggest,
 )
 
+
 @dataclass
 class DiTModel:
     """What the DiT estimate needs from the model folder: sizes, widths, sources."""
@@ -124,14 +125,28 @@ def load_dit_model(model_path: str, dtype: str) -> DiTModel:
 
     text = te_cfg.text_config
     return DiTModel(
-        transformer_bytes=nbytes, transformer_params=numel, dead_params=dead_params, dead_lora_per_rank=dead_lora,
-        lora_params_per_rank=lora_numel, lora_bytes_per_param=lora_bytes // max(1, lora_numel), block_bytes=block_bytes,
-        text_encoder_bytes=meta_bytes(text_encoder)[1], text_encoder_layers=text.num_hidden_layers,
-        text_encoder_width=text.hidden_size, text_encoder_vocab=text.vocab_size,
-        vae_bytes=vae_bytes, vae_width=vae_width, downsample=downsample, latent_channels=latent_channels,
-        num_layers=transformer.config.num_layers, dim=transformer.inner_dim, heads=transformer.config.num_attention_heads,
-        joint_dim=transformer.config.joint_attention_dim, in_channels=transformer.config.in_channels, sources=sources,
-    )  # fmt: skip
+        transformer_bytes=nbytes,
+        transformer_params=numel,
+        dead_params=dead_params,
+        dead_lora_per_rank=dead_lora,
+        lora_params_per_rank=lora_numel,
+        lora_bytes_per_param=lora_bytes // max(1, lora_numel),
+        block_bytes=block_bytes,
+        text_encoder_bytes=meta_bytes(text_encoder)[1],
+        text_encoder_layers=text.num_hidden_layers,
+        text_encoder_width=text.hidden_size,
+        text_encoder_vocab=text.vocab_size,
+        vae_bytes=vae_bytes,
+        vae_width=vae_width,
+        downsample=downsample,
+        latent_channels=latent_channels,
+        num_layers=transformer.config.num_layers,
+        dim=transformer.inner_dim,
+        heads=transformer.config.num_attention_heads,
+        joint_dim=transformer.config.joint_attention_dim,
+        in_channels=transformer.config.in_channels,
+        sources=sources,
+    )
 
 
 def dit_text_tokens(cfg, folder: Path) -> tuple[int, str]:
@@ -165,7 +180,9 @@ def dit_block_bytes_per_token(m: DiTModel, a: int, lora_rank: int) -> float:
     return 25 * d * a + upcast + stats
 
 
-def dit_train_bytes_per_sample(m: DiTModel, a: int, lora_rank: int, gc: bool, img_tokens: int, txt_tokens: int) -> float:
+def dit_train_bytes_per_sample(
+    m: DiTModel, a: int, lora_rank: int, gc: bool, img_tokens: int, txt_tokens: int
+) -> float:
     """Saved activations of one sample's training forward (tokens already divided by SP where it applies)."""
     tokens = img_tokens + txt_tokens
     block = dit_block_bytes_per_token(m, a, lora_rank) * tokens + 14 * m.dim * a  # + per-sample modulation
@@ -177,7 +194,6 @@ def dit_train_bytes_per_sample(m: DiTModel, a: int, lora_rank: int, gc: bool, im
         # The checkpoint saves each block's inputs; backward recomputes one block at a time.
         return m.num_layers * (tokens * m.dim * a + m.dim * a) + outside + block
     return m.num_layers * block + outside
-
 
 
 # -- DiT roles -------------------------------------------------------------------------------------
@@ -200,51 +216,104 @@ def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_
     # Weights and what training adds to them.
     lora_params = layout.lora_rank * m.lora_params_per_rank
     trained = lora_params if layout.lora_rank else m.transformer_params
-    trainable = trained - (layout.lora_rank * m.dead_lora_per_rank if layout.lora_rank else m.dead_params)  # with a gradient
+    trainable = trained - (
+        layout.lora_rank * m.dead_lora_per_rank if layout.lora_rank else m.dead_params
+    )  # with a gradient
     t_bytes = a if not layout.lora_rank else m.lora_bytes_per_param
     base = m.transformer_bytes / k
     if k > 1:
         master = trained * 4 / k  # FSDP mixed precision: sharded fp32 master of what trains
         frozen = 0 if not layout.lora_rank else base
-        weights = Term("weights", "transformer (FSDP shards + 2 gathered blocks)", frozen + master + 2 * m.block_bytes,
-                       f"frozen {cfg.model.dtype} / {k} + fp32 master of {_count(trained)} trained params / {k}")
+        weights = Term(
+            "weights",
+            "transformer (FSDP shards + 2 gathered blocks)",
+            frozen + master + 2 * m.block_bytes,
+            f"frozen {cfg.model.dtype} / {k} + fp32 master of {_count(trained)} trained params / {k}",
+        )
         grads, moments = trainable * 4 / k, 2 * trainable * 4 / k
     else:
-        weights = Term("weights", "transformer" + (f" + LoRA r={layout.lora_rank}" if layout.lora_rank else ""),
-                       m.transformer_bytes + lora_params * m.lora_bytes_per_param * bool(layout.lora_rank),
-                       f"{_count(m.transformer_params)} params x {a} B" + (f" + {_count(lora_params)} adapter params" if layout.lora_rank else ""))
+        weights = Term(
+            "weights",
+            "transformer" + (f" + LoRA r={layout.lora_rank}" if layout.lora_rank else ""),
+            m.transformer_bytes + lora_params * m.lora_bytes_per_param * bool(layout.lora_rank),
+            f"{_count(m.transformer_params)} params x {a} B"
+            + (f" + {_count(lora_params)} adapter params" if layout.lora_rank else ""),
+        )
         grads, moments = trainable * t_bytes, 2 * trainable * t_bytes
     frozen_parts = [
         Term("weights", "prompt encoder (frozen)", m.text_encoder_bytes, f"Qwen2.5-VL in {cfg.model.dtype}"),
         Term("weights", "VAE (frozen)", m.vae_bytes, "decoder + encoder" if m.vae_bytes else "parameter-free codec"),
-        *[Term("weights", f"reward model: {r.name}", r.bytes, f"{_count(r.params)} params (source above)") for r in rewards],
+        *[
+            Term("weights", f"reward model: {r.name}", r.bytes, f"{_count(r.params)} params (source above)")
+            for r in rewards
+        ],
     ]
     copies = []
     if tc.beta > 0 and not layout.lora_rank:
-        copies.append(Term("weights", "KL reference copy (frozen)", base, "full fine-tune with train.beta > 0: a frozen copy"))
+        copies.append(
+            Term("weights", "KL reference copy (frozen)", base, "full fine-tune with train.beta > 0: a frozen copy")
+        )
     if tc.ema_decay > 0:
-        copies.append(Term("weights", "moving average (train.ema_decay)", trained * 4 / k if k > 1 else trained * t_bytes,
-                           f"a copy of the {_count(trained)} trained params" + (f" (fp32 shards) / {k}" if k > 1 else "")))
+        copies.append(
+            Term(
+                "weights",
+                "moving average (train.ema_decay)",
+                trained * 4 / k if k > 1 else trained * t_bytes,
+                f"a copy of the {_count(trained)} trained params" + (f" (fp32 shards) / {k}" if k > 1 else ""),
+            )
+        )
     num_steps = tc.num_inner_epochs * math.ceil(num_samples / tc.minibatch_size)
     if tc.objective == "nft" and num_steps > 1:
-        copies.append(Term("weights", "old-policy copy (DiffusionNFT)", base + lora_params * m.lora_bytes_per_param / k,
-                           f"{num_steps} optimizer steps per update: v_old needs the sampling weights"))
+        copies.append(
+            Term(
+                "weights",
+                "old-policy copy (DiffusionNFT)",
+                base + lora_params * m.lora_bytes_per_param / k,
+                f"{num_steps} optimizer steps per update: v_old needs the sampling weights",
+            )
+        )
     train_state = [
-        Term("gradients", "gradients", grads, f"{_count(trainable)} trained params x {4 if k > 1 else t_bytes} B" + (f" / {k}" if k > 1 else "")),
-        Term("optimizer", "AdamW moments", moments, f"2 x {_count(trainable)} x {4 if k > 1 else t_bytes} B" + (f" / {k}" if k > 1 else "")),
+        Term(
+            "gradients",
+            "gradients",
+            grads,
+            f"{_count(trainable)} trained params x {4 if k > 1 else t_bytes} B" + (f" / {k}" if k > 1 else ""),
+        ),
+        Term(
+            "optimizer",
+            "AdamW moments",
+            moments,
+            f"2 x {_count(trainable)} x {4 if k > 1 else t_bytes} B" + (f" / {k}" if k > 1 else ""),
+        ),
     ]
-    per_sample = dit_train_bytes_per_sample(m, a, layout.lora_rank, layout.gradient_checkpointing, img_per_gpu, txt_tokens)
+    per_sample = dit_train_bytes_per_sample(
+        m, a, layout.lora_rank, layout.gradient_checkpointing, img_per_gpu, txt_tokens
+    )
     # A sample split over an SP group: each GPU holds 1/sp of the image tokens of every sample of its group.
-    acts = Term("activations", "saved for backward", cfg_factor * per_forward * per_sample,
-                f"{cfg_factor * per_forward} sample(s) per forward x {(img_per_gpu + txt_tokens)} tokens"
-                + (" (checkpointed)" if layout.gradient_checkpointing else "") + f" x {m.num_layers} blocks")
+    acts = Term(
+        "activations",
+        "saved for backward",
+        cfg_factor * per_forward * per_sample,
+        f"{cfg_factor * per_forward} sample(s) per forward x {(img_per_gpu + txt_tokens)} tokens"
+        + (" (checkpointed)" if layout.gradient_checkpointing else "")
+        + f" x {m.num_layers} blocks",
+    )
     trajectory = (sc.num_steps + 1) * local_samples * img_tokens * channels * 4 + sc.num_steps * local_samples * 4
     embeds = local_samples * cfg_factor * txt_tokens * m.joint_dim * a
     buffers = [
-        Term("buffers", "rollout trajectory", trajectory, f"{sc.num_steps + 1} latents x {local_samples} samples x {img_tokens}x{channels} fp32"),
+        Term(
+            "buffers",
+            "rollout trajectory",
+            trajectory,
+            f"{sc.num_steps + 1} latents x {local_samples} samples x {img_tokens}x{channels} fp32",
+        ),
         Term("buffers", "prompt embeddings", embeds, f"{local_samples} samples x {txt_tokens} tokens x {m.joint_dim}"),
     ]
-    trainer = Role("trainer", f"{layout.gpus} on-demand GPU(s), the update", [weights, *frozen_parts, *copies, *train_state, acts, *buffers])
+    trainer = Role(
+        "trainer",
+        f"{layout.gpus} on-demand GPU(s), the update",
+        [weights, *frozen_parts, *copies, *train_state, acts, *buffers],
+    )
 
     def sampling(batch: int, prompts: int, decoded: int, sp: int) -> Term:
         """The no-grad working set: the largest of a sampling forward, the prompt encoder's pass and the VAE decode."""
@@ -254,32 +323,67 @@ def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_
         encode = prompts * enc_tokens * ((m.text_encoder_layers + 1) * m.text_encoder_width + m.text_encoder_vocab) * a
         decode = decoded * cfg.model.height * cfg.model.width * m.vae_width * a * 4
         size, which = max((sample_ws, "sampling"), (encode, "prompt encoding"), (decode, "VAE decode"))
-        how = (f"largest of: sampling {_gib(sample_ws)} ({batch} x {tokens} tokens), prompt encoding {_gib(encode)} "
-               f"({prompts} prompts, all hidden states + logits), VAE decode {_gib(decode)} ({decoded} images, rough)")
+        how = (
+            f"largest of: sampling {_gib(sample_ws)} ({batch} x {tokens} tokens), prompt encoding {_gib(encode)} "
+            f"({prompts} prompts, all hidden states + logits), VAE decode {_gib(decode)} ({decoded} images, rough)"
+        )
         return Term("activations", f"no-grad working set ({which})", size, how)
 
     # The rank samples in chunks of sample.batch_size, encodes its distinct prompts at once and
     # decodes all its samples at once (`rollout.rollout`).
     ro_batch = min(sc.batch_size, local_samples)
     ro_work = sampling(ro_batch, math.ceil(local_samples / tc.group_size), local_samples, layout.sp)
-    rollout_terms = [weights, *frozen_parts, *[t for t in copies if "reference" in t.name], *train_state, ro_work, buffers[0]]
-    rollout = Role("rollout", f"the trainer's {layout.gpus} GPU(s), between updates", rollout_terms,
-                   "sampling with theta_k inside `spotlight train`; gradients stay allocated until the next zero_grad")
-    explorer_weights = Term("weights", "transformer" + (" + LoRA" if layout.lora_rank else ""),
-                            m.transformer_bytes + lora_params * m.lora_bytes_per_param * bool(layout.lora_rank), "stale theta_{k-1}, no gradients")
+    rollout_terms = [
+        weights,
+        *frozen_parts,
+        *[t for t in copies if "reference" in t.name],
+        *train_state,
+        ro_work,
+        buffers[0],
+    ]
+    rollout = Role(
+        "rollout",
+        f"the trainer's {layout.gpus} GPU(s), between updates",
+        rollout_terms,
+        "sampling with theta_k inside `spotlight train`; gradients stay allocated until the next zero_grad",
+    )
+    explorer_weights = Term(
+        "weights",
+        "transformer" + (" + LoRA" if layout.lora_rank else ""),
+        m.transformer_bytes + lora_params * m.lora_bytes_per_param * bool(layout.lora_rank),
+        "stale theta_{k-1}, no gradients",
+    )
     ex_batch = cfg.explore.batch_size
     ex_traj = (sc.num_steps + 1) * ex_batch * img_tokens * channels * 4
-    explorer = Role("explorer", "each spot GPU (one Explorer actor)",
-                    [explorer_weights, *frozen_parts, sampling(ex_batch, min(ex_batch, tc.prompts_per_iteration), ex_batch, layout.sp),
-                     Term("buffers", "candidate trajectories", ex_traj, f"{sc.num_steps + 1} latents x {ex_batch} candidates, fp32")],
-                    "no explorers run with explore.mode=none" if cfg.explore.mode == "none" else "")
+    explorer = Role(
+        "explorer",
+        "each spot GPU (one Explorer actor)",
+        [
+            explorer_weights,
+            *frozen_parts,
+            sampling(ex_batch, min(ex_batch, tc.prompts_per_iteration), ex_batch, layout.sp),
+            Term(
+                "buffers",
+                "candidate trajectories",
+                ex_traj,
+                f"{sc.num_steps + 1} latents x {ex_batch} candidates, fp32",
+            ),
+        ],
+        "no explorers run with explore.mode=none" if cfg.explore.mode == "none" else "",
+    )
     shapes = {
-        "image_tokens": img_tokens, "text_tokens": txt_tokens, "samples_per_forward": cfg_factor * per_forward,
-        "samples_per_gpu": local_samples, "dtype": cfg.model.dtype, "lora_rank": layout.lora_rank,
-        "gradient_checkpointing": layout.gradient_checkpointing, "sp": layout.sp, "fsdp": layout.fsdp, "data_parallel": layout.dp,
-    }  # fmt: skip
+        "image_tokens": img_tokens,
+        "text_tokens": txt_tokens,
+        "samples_per_forward": cfg_factor * per_forward,
+        "samples_per_gpu": local_samples,
+        "dtype": cfg.model.dtype,
+        "lora_rank": layout.lora_rank,
+        "gradient_checkpointing": layout.gradient_checkpointing,
+        "sp": layout.sp,
+        "fsdp": layout.fsdp,
+        "data_parallel": layout.dp,
+    }
     return [trainer, rollout, explorer], shapes
-
 
 
 # -- entry point ---------------------------------------------------------------------------------
@@ -310,8 +414,15 @@ def plan_dit(recipe: str | None, overrides: list[str], gpus: int, gpu_mem_gib: f
         return dit_roles(smaller, m, rewards, base, txt_tokens)[0]
 
     per_forward = shapes["samples_per_forward"] // (2 if cfg.sample.guidance_scale > 1 else 1)
-    plan.suggestions = suggest(plan, roles_for, base, heads=m.heads, sp_trains=False, gc_option=True,
-                               batch_knob=("train.minibatch_size per GPU", per_forward, roles_at) if per_forward > 1 else None)
+    plan.suggestions = suggest(
+        plan,
+        roles_for,
+        base,
+        heads=m.heads,
+        sp_trains=False,
+        gc_option=True,
+        batch_knob=("train.minibatch_size per GPU", per_forward, roles_at) if per_forward > 1 else None,
+    )
     plan.suggestions += _dit_notes(plan, cfg, m, rewards, base, txt_tokens)
     return plan
 
@@ -325,22 +436,30 @@ def _dit_notes(plan: Plan, cfg, m: DiTModel, rewards: list[RewardModel], base: L
     if not plan.fits(rollout) and "VAE decode" in work.name and work.bytes > usable / 4:
         n = plan.shapes["samples_per_gpu"]
         chunk = min(cfg.sample.batch_size, n)
-        out.append(f"rollout: `rollout.rollout` decodes all {n} samples of a GPU at once ({_gib(work.bytes)} of VAE activations, rough); "
-                   f"decoding in chunks of sample.batch_size={chunk} would need about {_gib(work.bytes * chunk / n)}, or use more GPUs")
+        out.append(
+            f"rollout: `rollout.rollout` decodes all {n} samples of a GPU at once ({_gib(work.bytes)} of VAE "
+            "activations, rough); "
+            f"decoding in chunks of sample.batch_size={chunk} would need about {_gib(work.bytes * chunk / n)}, or use "
+            "more GPUs"
+        )
     if explorer.total <= usable:
         return out
     fixed = sum(t.bytes for t in explorer.terms if t.group == "weights")
     if fixed > usable:
-        return out + [f"explorer: its weights alone need {_gib(fixed)} > {_gib(usable)}: use larger spot GPUs (SP replicates weights)"]
+        return out + [
+            f"explorer: its weights alone need {_gib(fixed)} > {_gib(usable)}: use larger spot GPUs (SP replicates "
+            "weights)"
+        ]
     for sp in [d for d in (2, 4, 8) if m.heads % d == 0]:
         ex = dit_roles(cfg, m, rewards, replace(base, sp=sp), txt_tokens)[0][2]
         if ex.total <= usable:
-            return out + [f"explorer: SP degree {sp} (parallel.sp_degree: spot/worker.py groups) brings its working set under the limit: {_gib(ex.total)}"]
+            return out + [
+                f"explorer: SP degree {sp} (parallel.sp_degree: spot/worker.py groups) brings its working set under "
+                f"the limit: {_gib(ex.total)}"
+            ]
     for batch in range(cfg.explore.batch_size - 1, 0, -1):
         smaller = replace(cfg, explore=replace(cfg.explore, batch_size=batch))
         ex = dit_roles(smaller, m, rewards, base, txt_tokens)[0][2]
         if ex.total <= usable:
             return out + [f"explorer: explore.batch_size={batch} fits ({_gib(ex.total)})"]
     return out + ["explorer: no SP degree or explore.batch_size fits: use larger spot GPUs"]
-
-

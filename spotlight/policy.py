@@ -29,10 +29,19 @@ PROMPT_TEMPLATE = (
 
 # Flow-GRPO's LoRA targets for Qwen-Image: attention projections of both streams and the MLPs.
 LORA_TARGETS = [
-    "to_q", "to_k", "to_v", "to_out.0",
-    "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
-]  # fmt: skip
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,7 +91,9 @@ class DiTPolicy:
                 raise ValueError(f"{field}: {str(path / sub)!r} is missing; expected a diffusers Qwen-Image folder")
         torch_dtype = DTYPES[dtype]
         transformer = QwenImageTransformer2DModel.from_pretrained(path / "transformer", torch_dtype=torch_dtype)
-        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(path / "text_encoder", torch_dtype=torch_dtype)
+        text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            path / "text_encoder", torch_dtype=torch_dtype
+        )
         text_encoder.requires_grad_(False)
         tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer")
         codec = load_codec(path, torch_dtype, device)
@@ -112,7 +123,9 @@ class DiTPolicy:
         """Per prompt (T_i, D) hidden states, as QwenImagePipeline._get_qwen_prompt_embeds; one encoder call."""
         texts = [PROMPT_TEMPLATE.format(p) for p in prompts]
         tokens = self.tokenizer(texts, padding=True, return_tensors="pt").to(self.device)
-        out = self.text_encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True)
+        out = self.text_encoder(
+            input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True
+        )
         hidden_BTD = out.hidden_states[-1]
         lengths = tokens.attention_mask.sum(dim=1).tolist()
         # Right padding: the valid tokens of each row come first. A copy per prompt, so that a held
@@ -150,7 +163,9 @@ class DiTPolicy:
 
     # -- transformer -----------------------------------------------------------------------------
 
-    def velocity(self, latents_BLC: torch.Tensor, sigma_B: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def velocity(
+        self, latents_BLC: torch.Tensor, sigma_B: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """Predicted velocity (B, L, C); timestep is sigma in [0, 1], as the pipeline passes t / 1000."""
         dtype = embeds.dtype
         batch = latents_BLC.shape[0]

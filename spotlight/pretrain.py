@@ -40,7 +40,8 @@ from spotlight.sampling import derive_seed
 from spotlight.tiny import build_tiny_model
 
 UNCONDITIONAL_PROMPT = SampleConfig().negative_prompt
-"""What a dropped caption becomes: the negative prompt the sampler's CFG uses by default (" ", as Qwen-Image's pipeline)."""
+"""What a dropped caption becomes: the negative prompt the sampler's CFG uses by default (" ", as Qwen-Image's
+pipeline)."""
 
 
 def _lr_at(step: int, total: int, peak: float, warmup: int = 50) -> float:
@@ -91,7 +92,11 @@ def _pretrain(cfg: PretrainConfig, out_dir: Path, progress: bool) -> dict:
         task = bar.add_task("pretraining", total=cfg.num_steps)
         for step in range(cfg.num_steps):
             prompts = [train_prompts[i] for i in rng.integers(len(train_prompts), size=cfg.batch_size)]
-            drawn = [shapes.noisy_caption_target(p, cfg.caption_noise, rng) for p in prompts] if cfg.caption_noise else prompts
+            drawn = (
+                [shapes.noisy_caption_target(p, cfg.caption_noise, rng) for p in prompts]
+                if cfg.caption_noise
+                else prompts
+            )
             images = shapes.render_batch(drawn, cfg.model.image_size, derive_seed(cfg.seed, step))
             x0 = policy.encode_images(images)
             eps = torch.randn_like(x0)

@@ -194,9 +194,14 @@ class _Counted(ABC):
 
     def _stop_counting(self, held_bytes: int) -> StepStats:
         stats = StepStats(
-            len(self._step_prompts), self._step_encoded, self._step_forwards, self._step_s, held_bytes,
-            self._step_wait_s, self._step_prefetched,
-        )  # fmt: skip
+            len(self._step_prompts),
+            self._step_encoded,
+            self._step_forwards,
+            self._step_s,
+            held_bytes,
+            self._step_wait_s,
+            self._step_prefetched,
+        )
         self._in_step = False
         self._step_prompts = set()
         return stats
@@ -228,7 +233,7 @@ class _Counted(ABC):
             raise
         self.close()
 
-    def close(self, *, raise_errors: bool = True) -> None:
+    def close(self, *, raise_errors: bool = True) -> None:  # noqa: B027 - optional hook, no-op default
         """Wait for a pending prefetch and drop it, and stop the worker thread (nothing to do here)."""
 
     @abstractmethod

@@ -36,7 +36,7 @@ def read_prompt_file(path: str | Path, *, check: Callable[[str], object] | None 
         check_prompt(text, check, f"{path}:{number}")
         prompts.append(text)
     if not prompts:
-        raise ValueError(f"prompt file {str(path)}{where} holds no prompts")
+        raise ValueError(f"prompt file {path!s}{where} holds no prompts")
     return prompts
 
 
@@ -55,7 +55,8 @@ def check_prompt(text: str, check: Callable[[str], object] | None, where: str) -
 
 
 def prompt_check(reward_names) -> Callable[[str], object] | None:
-    """The check prompts must pass for these rewards: the shapes grammar when `shapes` (or one of its diagnostics) scores them."""
+    """The check prompts must pass for these rewards: the shapes grammar when `shapes` (or one of its diagnostics)
+    scores them."""
     return shapes.parse_prompt if set(reward_names) & set(shapes.GRAMMAR_REWARDS) else None
 
 
@@ -63,6 +64,14 @@ def train_and_eval_prompts(data: DataConfig, reward_names) -> tuple[list[str], l
     """(train, eval) prompts: files when configured, else the shapes grammar's split."""
     check = prompt_check(reward_names)
     grammar_train, grammar_heldout = shapes.split_prompts(data.split_seed, data.num_heldout)
-    train = read_prompt_file(data.train_prompts, check=check, field="data.train_prompts") if data.train_prompts else grammar_train
-    evals = read_prompt_file(data.eval_prompts, check=check, field="data.eval_prompts") if data.eval_prompts else grammar_heldout
+    train = (
+        read_prompt_file(data.train_prompts, check=check, field="data.train_prompts")
+        if data.train_prompts
+        else grammar_train
+    )
+    evals = (
+        read_prompt_file(data.eval_prompts, check=check, field="data.eval_prompts")
+        if data.eval_prompts
+        else grammar_heldout
+    )
     return train, evals

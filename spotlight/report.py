@@ -138,7 +138,9 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
         return _write(page, run_dir, rows, config, config_text, ledger, ledger_problem, explore_log)
     except OSError as err:
         hint = "; pass --out DIR to write it elsewhere" if out_dir is None else ""
-        raise ValueError(f"cannot write the report into {page.out_dir} ({err.strerror}: {err.filename}){hint}") from None
+        raise ValueError(
+            f"cannot write the report into {page.out_dir} ({err.strerror}: {err.filename}){hint}"
+        ) from None
 
 
 def _write(page: _Page, run_dir: Path, rows, config, config_text, ledger, ledger_problem, explore_log) -> Path:
@@ -193,9 +195,17 @@ def _validation(page: _Page, rows: list[dict], config: dict) -> None:
     fig, ax = _axes("held-out reward (fixed seeds)", "eval/mean_reward")
     ax.plot(steps, reward, marker="o", color="C2")
     body = page.figure("validation.png", fig, "held-out reward per step")
-    body += _table(["", "first", "last", "best (step)"],
-                   [["eval/mean_reward", _fmt(reward[0]), _fmt(reward[-1]),
-                     f"{_fmt(np.nanmax(reward))} ({steps[int(np.nanargmax(reward))]})"]])  # fmt: skip
+    body += _table(
+        ["", "first", "last", "best (step)"],
+        [
+            [
+                "eval/mean_reward",
+                _fmt(reward[0]),
+                _fmt(reward[-1]),
+                f"{_fmt(np.nanmax(reward))} ({steps[int(np.nanargmax(reward))]})",
+            ]
+        ],
+    )
     page.sections.append(("validation", "Validation", body))
 
 
@@ -242,7 +252,9 @@ def _images(page: _Page, run_dir: Path, config: dict) -> None:
             width = _png_width(data)
             # Tiny grids (32 px images) are drawn 2-3x larger, pixelated, so that shapes are visible.
             scale = max(1, min(3, 300 // max(width, 1)))
-            img = page.png(f"{IMAGES_DIR}/{path.name}", data, f"{key} at step {step}", css_class="grid", width=width * scale)
+            img = page.png(
+                f"{IMAGES_DIR}/{path.name}", data, f"{key} at step {step}", css_class="grid", width=width * scale
+            )
             body += f"<figure>{img}<figcaption>step {step}</figcaption></figure>"
     page.sections.append(("images", "Images over time", body))
 
@@ -254,7 +266,11 @@ def _planner(page: _Page, rows: list[dict], config: dict, explore_log: list[dict
         page.sections.append(("planner", "Exploration planner", _missing(f"planner allocations and variance ({why})")))
         return
     steps = [r["step"] for r in rows]
-    body = "<p>" + ", ".join(f"{k} <b>{_esc(explore_cfg.get(k, '?'))}</b>" for k in ("planner", "mode", "selection")) + ".</p>"
+    body = (
+        "<p>"
+        + ", ".join(f"{k} <b>{_esc(explore_cfg.get(k, '?'))}</b>" for k in ("planner", "mode", "selection"))
+        + ".</p>"
+    )
 
     fig, (ax1, ax2) = _axes("exploration budget and allocation", "candidates", ncols=2)
     for key in ("explore/budget_samples", "explore/candidates_planned", "explore/candidates_scored"):
@@ -271,7 +287,12 @@ def _planner(page: _Page, rows: list[dict], config: dict, explore_log: list[dict
     body += page.figure("planner_allocation.png", fig, "exploration budget, allocation and fallbacks per step")
 
     fig, ax = _axes("variance captured: group reward variance, selected vs default seeds", "variance")
-    for key, style in (("var_selected_stale", "-"), ("var_default_stale", "--"), ("var_selected_fresh", "-"), ("var_default_fresh", "--")):
+    for key, style in (
+        ("var_selected_stale", "-"),
+        ("var_default_stale", "--"),
+        ("var_selected_fresh", "-"),
+        ("var_default_fresh", "--"),
+    ):
         s, y = _series(rows, f"explore/{key}")
         if s:
             ax.plot(s, y, linestyle=style, marker="o", label=key)
@@ -279,9 +300,16 @@ def _planner(page: _Page, rows: list[dict], config: dict, explore_log: list[dict
         ax.legend(fontsize=8)
     body += page.figure("planner_variance.png", fig, "variance captured per step")
 
-    totals = [[key.removeprefix("explore/"), _fmt(np.nansum(_series(rows, key, steps)[1]), 0)]
-              for key in ["explore/candidates_planned", "explore/candidates_scored", "explore/prompts_planned",
-                          "explore/prompts_selected", *(f"explore/fallback_{c}" for c in FALLBACK_CAUSES)]]  # fmt: skip
+    totals = [
+        [key.removeprefix("explore/"), _fmt(np.nansum(_series(rows, key, steps)[1]), 0)]
+        for key in [
+            "explore/candidates_planned",
+            "explore/candidates_scored",
+            "explore/prompts_planned",
+            "explore/prompts_selected",
+            *(f"explore/fallback_{c}" for c in FALLBACK_CAUSES),
+        ]
+    ]
     body += "<h3>Totals over the run</h3>" + _table(["", "total"], totals)
     ratios = []
     for when in ("stale", "fresh"):
@@ -290,9 +318,13 @@ def _planner(page: _Page, rows: list[dict], config: dict, explore_log: list[dict
         both = ~np.isnan(sel) & ~np.isnan(dflt)  # the ratio compares the same steps only
         ratio = _mean(sel[both]) / _mean(dflt[both]) if _mean(dflt[both]) > 0 else math.nan
         ratios.append([f"{when} rewards", _fmt(_mean(sel)), _fmt(_mean(dflt)), _fmt(ratio, 2)])
-    body += "<h3>Variance captured</h3>" + _table(["", "selected groups", "default seeds", "ratio (same steps)"], ratios)
-    body += ("<p>stale: under the explorers' (older) weights, the default seeds of the same prompts; fresh: "
-             "the rollout's rewards, selected groups vs groups that trained on default seeds.</p>")  # fmt: skip
+    body += "<h3>Variance captured</h3>" + _table(
+        ["", "selected groups", "default seeds", "ratio (same steps)"], ratios
+    )
+    body += (
+        "<p>stale: under the explorers' (older) weights, the default seeds of the same prompts; fresh: "
+        "the rollout's rewards, selected groups vs groups that trained on default seeds.</p>"
+    )
 
     body += "<h3>Candidates per prompt slot</h3>" + _slot_allocations(page, explore_log)
     page.sections.append(("planner", "Exploration planner", body))
@@ -309,8 +341,15 @@ def _slot_allocations(page: _Page, explore_log: list[dict]) -> str:
         for p, slot in enumerate(row["slots"]):
             planned_SI[p, j] = slot["planned"]
     fig, ax = _axes(f"candidates planned per prompt slot ({LOG_FILE})", "prompt slot")
-    im = ax.imshow(planned_SI, aspect="auto", cmap="viridis", origin="lower", vmin=0, vmax=max(1.0, planned_SI.max()),
-                   extent=(iters[0] - 0.5, iters[-1] + 0.5, -0.5, num_slots - 0.5))  # fmt: skip
+    im = ax.imshow(
+        planned_SI,
+        aspect="auto",
+        cmap="viridis",
+        origin="lower",
+        vmin=0,
+        vmax=max(1.0, planned_SI.max()),
+        extent=(iters[0] - 0.5, iters[-1] + 0.5, -0.5, num_slots - 0.5),
+    )
     ax.set_xlabel("iteration (batch)")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(False)
@@ -336,9 +375,11 @@ def _preemptions(page: _Page, rows: list[dict], config: dict, ledger: dict | Non
         body += page.figure("preemptions.png", fig, "live explorers, deaths and respawns per step")
         hit = [s for s, d in zip(steps, deaths) if d > 0]
         died = sum(r.get("explore/fallback_died", 0) for r in rows)
-        body += (f"<p>{np.nansum(deaths):g} explorer death(s) at step(s) {', '.join(map(str, hit)) or 'none'}; "
-                 f"{_fmt(respawns[-1], 0)} respawn(s); {died:g} prompt(s) fell back to default seeds "
-                 "because their explorer died.</p>")  # fmt: skip
+        body += (
+            f"<p>{np.nansum(deaths):g} explorer death(s) at step(s) {', '.join(map(str, hit)) or 'none'}; "
+            f"{_fmt(respawns[-1], 0)} respawn(s); {died:g} prompt(s) fell back to default seeds "
+            "because their explorer died.</p>"
+        )
     body += "<h3>Node timeline (GPUs held, from the cost ledger)</h3>"
     if ledger is None:
         body += _missing(f"GPUs held over time ({ledger_problem})")
@@ -355,8 +396,10 @@ def _preemptions(page: _Page, rows: list[dict], config: dict, ledger: dict | Non
         if ax.patches or ax.lines:
             ax.legend(fontsize=8)
         body += page.figure("nodes.png", fig, "GPUs held per pool over time")
-        body += ("<p>A drop in the spot pool is a lost spot node (or a session gap: time the trainer was down is "
-                 "not charged).</p>")  # fmt: skip
+        body += (
+            "<p>A drop in the spot pool is a lost spot node (or a session gap: time the trainer was down is "
+            "not charged).</p>"
+        )
     page.sections.append(("preemptions", "Preemptions and nodes", body))
 
 
@@ -365,10 +408,18 @@ def _cost(page: _Page, rows: list[dict], ledger: dict | None, problem: str) -> N
         page.sections.append(("cost", "Cost", _missing(f"cost ledger ({problem})")))
         return
     s = summarize(ledger)
-    table_rows = [[name, f"{p['gpu_s']:,.0f}", f"{p['gpu_s'] / 3600:,.3f}", _esc(p["source"]), f"{p['usd']:,.4f}"]
-                  for name, p in s["pools"].items()]  # fmt: skip
+    table_rows = [
+        [name, f"{p['gpu_s']:,.0f}", f"{p['gpu_s'] / 3600:,.3f}", _esc(p["source"]), f"{p['usd']:,.4f}"]
+        for name, p in s["pools"].items()
+    ]
     table_rows += [
-        ["<b>total</b>", f"{s['gpu_s_total']:,.0f}", f"{s['gpu_s_total'] / 3600:,.3f}", "", f"<b>{s['usd_total']:,.4f}</b>"],
+        [
+            "<b>total</b>",
+            f"{s['gpu_s_total']:,.0f}",
+            f"{s['gpu_s_total'] / 3600:,.3f}",
+            "",
+            f"<b>{s['usd_total']:,.4f}</b>",
+        ],
         ["on-demand only", "", "", "every GPU-second at the on-demand price", f"{s['usd_on_demand_only']:,.4f}"],
         ["saved", "", "", f"{s['saved_fraction']:.1%} of on-demand only", f"{s['usd_saved']:,.4f}"],
     ]
@@ -409,13 +460,16 @@ def _html(run_dir: Path, config: dict, rows: list[dict], ledger: dict | None, pa
         ("cost (USD)", _fmt(summarize(ledger)["usd_total"]) if ledger is not None else NOT_RECORDED),
     ]
     nav = "".join(f'<a href="#{sid}">{_esc(title)}</a>' for sid, title, _ in page.sections)
-    sections = "".join(f'<section id="{sid}"><h2>{_esc(title)}</h2>{body}</section>' for sid, title, body in page.sections)
+    sections = "".join(
+        f'<section id="{sid}"><h2>{_esc(title)}</h2>{body}</section>' for sid, title, body in page.sections
+    )
     return (
         "<!DOCTYPE html>\n"
         f'<html lang="en"><head><meta charset="utf-8"><title>spotlight report: {_esc(name)}</title>'
         f"<style>{_CSS}</style></head><body>"
         f"<header><h1>spotlight report: {_esc(name)}</h1>"
-        '<table class="summary">' + "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in facts)
+        '<table class="summary">'
+        + "".join(f"<tr><td>{_esc(k)}</td><td>{_esc(v)}</td></tr>" for k, v in facts)
         + "</table></header>"
         f"<nav>{nav}</nav><main>{sections}</main></body></html>\n"
     )

@@ -28,7 +28,7 @@ class PromptBatch:
     """(B, T') negative prompt mask."""
 
     def select(self, index: torch.Tensor) -> PromptBatch:
-        pick = (lambda t: None if t is None else t[index])  # noqa: E731
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
         return PromptBatch(pick(self.embeds), pick(self.mask), pick(self.neg_embeds), pick(self.neg_mask))
 
 
@@ -143,7 +143,9 @@ def rollout(
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     if autocast == "auto":
-        raise ValueError('autocast "auto" must be resolved first: resolve_autocast(cfg.sample.autocast, device, objective)')
+        raise ValueError(
+            'autocast "auto" must be resolved first: resolve_autocast(cfg.sample.autocast, device, objective)'
+        )
     if autocast not in AUTOCAST_DTYPES:
         raise ValueError(f"autocast must be one of {sorted(AUTOCAST_DTYPES)}, got {autocast!r}")
     dtype = AUTOCAST_DTYPES[autocast]
@@ -161,7 +163,7 @@ def rollout(
         batch = encode(policy, p, guidance_scale, negative_prompt)
         chunks.append(
             sample(
-                lambda x, s: velocity(x, s, batch),
+                lambda x, s: velocity(x, s, batch),  # noqa: B023 - sample() calls it before the loop moves on
                 seeds[start : start + batch_size],
                 policy.latent_shape,
                 sigmas,

@@ -56,7 +56,8 @@ class Fenced(ValueError):
 def _holder(record: dict) -> str:
     started = record.get("started")
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
-    return f"`{record.get('command', '?')}` (pid {record.get('pid', '?')} on host {record.get('host', '?')}, since {since}, token {record.get('token', '?')})"
+    where = f"pid {record.get('pid', '?')} on host {record.get('host', '?')}"
+    return f"`{record.get('command', '?')}` ({where}, since {since}, token {record.get('token', '?')})"
 
 
 def _pid_alive(pid: Any) -> bool:
@@ -89,7 +90,14 @@ class RunLock:
     """
 
     def __init__(
-        self, run_dir: str | os.PathLike, command: str, *, store=None, lease_s: float = 120.0, clock=time.time, lock_file: Path | None = None
+        self,
+        run_dir: str | os.PathLike,
+        command: str,
+        *,
+        store=None,
+        lease_s: float = 120.0,
+        clock=time.time,
+        lock_file: Path | None = None,
     ):
         if not lease_s > 0:
             raise ValueError(f"log.store_lease_s must be > 0, got {lease_s}")
@@ -104,14 +112,22 @@ class RunLock:
         """The record of a previous holder that had not released (it died): taken over."""
         path = lock_file if lock_file is not None else self.run_dir / LOCK_FILE
         self._path, self._own_file = path, lock_file is not None
-        self.what = self.run_dir if lock_file is None else lock_file.with_name(lock_file.name.removeprefix(".").removesuffix(".lock"))
+        self.what = (
+            self.run_dir
+            if lock_file is None
+            else lock_file.with_name(lock_file.name.removeprefix(".").removesuffix(".lock"))
+        )
         if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise ValueError(f"--run-dir {self.run_dir} is a file, not a directory; give a directory (a new one starts a run)")
+            raise ValueError(
+                f"--run-dir {self.run_dir} is a file, not a directory; give a directory (a new one starts a run)"
+            )
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
-            raise ValueError(f"{path}: cannot create the run directory's lock ({err.strerror}); choose a writable --run-dir") from None
+            raise ValueError(
+                f"{path}: cannot create the run directory's lock ({err.strerror}); choose a writable --run-dir"
+            ) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -129,8 +145,13 @@ class RunLock:
             if store is not None:
                 token = max(token, self._take_store())
             self.record = {
-                "command": command, "host": socket.gethostname(), "pid": os.getpid(), "started": self._clock(),
-                "token": token + 1, "run_dir": str(self.run_dir.resolve()), "released": False,
+                "command": command,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started": self._clock(),
+                "token": token + 1,
+                "run_dir": str(self.run_dir.resolve()),
+                "released": False,
             }
             self._write_local()
             if store is not None:
@@ -141,7 +162,9 @@ class RunLock:
             os.close(self._fd)
             raise
         if self.took_over:
-            logger.warning("%s: took over from %s, which ended without releasing it", self.run_dir, _holder(self.took_over))
+            logger.warning(
+                "%s: took over from %s, which ended without releasing it", self.run_dir, _holder(self.took_over)
+            )
 
     @property
     def token(self) -> int:
@@ -198,7 +221,9 @@ class RunLock:
         return int(lease.get("token", 0))
 
     def _write_store(self) -> None:
-        self.store.put_bytes(STORE_LEASE, json.dumps({**self.record, "renewed": self._clock(), "lease_s": self.lease_s}).encode("utf-8"))
+        self.store.put_bytes(
+            STORE_LEASE, json.dumps({**self.record, "renewed": self._clock(), "lease_s": self.lease_s}).encode("utf-8")
+        )
 
     def _renew(self) -> None:
         while not self._stop.wait(self.lease_s / 3):

@@ -180,7 +180,11 @@ def stochastic_step(sde_type: str, *args, **kwargs) -> SDEStepOutput:
 
 
 def calculate_shift(
-    image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 8192, base_shift: float = 0.5, max_shift: float = 0.9
+    image_seq_len: int,
+    base_seq_len: int = 256,
+    max_seq_len: int = 8192,
+    base_shift: float = 0.5,
+    max_shift: float = 0.9,
 ) -> float:
     """mu of the dynamic time shift: linear in the image token count (as Qwen-Image's pipeline)."""
     slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
@@ -234,7 +238,9 @@ INITIAL_NOISE_STEP = -1
 """Step index whose noise is the initial latent."""
 
 
-def seeded_noise(seeds: Sequence[int], step: int, shape: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+def seeded_noise(
+    seeds: Sequence[int], step: int, shape: Sequence[int], device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """(B, *shape) standard normal noise: row i depends only on (seeds[i], step)."""
     gen = torch.Generator(device="cpu")
     rows = []

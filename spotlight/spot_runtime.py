@@ -27,7 +27,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -100,9 +99,14 @@ class SpotRuntime:
     """
 
     def __init__(
-        self, cfg: DiTRecipe, runtime: Runtime, *, on_close: Sequence[Callable[[], None]] = (), replay=None,
+        self,
+        cfg: DiTRecipe,
+        runtime: Runtime,
+        *,
+        on_close: Sequence[Callable[[], None]] = (),
+        replay=None,
         run_dir: str | Path | None = None,
-    ):  # fmt: skip
+    ):
         self.cfg = cfg
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.runtime = runtime
@@ -136,7 +140,7 @@ class SpotRuntime:
             tmp = self.run_dir / f".{LEASES}.tmp"
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
             os.replace(tmp, self.run_dir / LEASES)
-        except Exception as err:  # noqa: BLE001 - a missing log must not fail the run's shutdown
+        except Exception as err:
             logger.warning("could not write %s: %s", self.run_dir / LEASES, err)
 
     def start_trace(self) -> None:
@@ -153,7 +157,7 @@ class SpotRuntime:
             for fn in self._on_close:
                 try:
                     fn()
-                except Exception as err:  # noqa: BLE001 - shut down the rest regardless
+                except Exception as err:
                     logger.warning("shutting down the runtime: %s", err)
 
     def status(self) -> RuntimeStatus:
@@ -188,7 +192,10 @@ class SpotRuntime:
         ids = self._ids(len(work))
         n = self.cfg.sample.num_steps
         self.runtime.submit(
-            [Job(i, w, version=version, priority=ROLLOUT_PRIORITY, num_steps=n, kind=ROLLOUT) for i, w in zip(ids, work)]
+            [
+                Job(i, w, version=version, priority=ROLLOUT_PRIORITY, num_steps=n, kind=ROLLOUT)
+                for i, w in zip(ids, work)
+            ]
         )
         t1 = time.monotonic()
         results = self.runtime.wait(ids, timeout_s=self.cfg.runtime.rollout_timeout_s)
@@ -234,7 +241,10 @@ class SpotRuntime:
         """One line for the progress display: nodes held, preemptions, jobs resumed."""
         s = self.status()
         resumed = sum(s.resumed.values())
-        return f"spot nodes {s.spot_nodes} · preemptions {s.preemptions} ({s.preemptions_hitting_work} on work) · jobs resumed {resumed}"
+        return (
+            f"spot nodes {s.spot_nodes} · preemptions {s.preemptions} ({s.preemptions_hitting_work} on work) · "
+            f"jobs resumed {resumed}"
+        )
 
 
 class RuntimeExplorers:
@@ -284,13 +294,25 @@ class RuntimeExplorers:
     def submit(self, job: ExploreJob) -> int:
         (job_id,) = self.rt._ids(1)
         cfg = self.rt.cfg
-        self.rt.runtime.submit([
-            Job(job_id, job, version=job.version, priority=explore_priority(job.iteration),
-                num_steps=explore_num_steps(cfg, job), kind=EXPLORE, pools=(SPOT,), handoff=False)
-        ])  # fmt: skip
+        self.rt.runtime.submit(
+            [
+                Job(
+                    job_id,
+                    job,
+                    version=job.version,
+                    priority=explore_priority(job.iteration),
+                    num_steps=explore_num_steps(cfg, job),
+                    kind=EXPLORE,
+                    pools=(SPOT,),
+                    handoff=False,
+                )
+            ]
+        )
         return job_id
 
-    def poll(self, handles: Sequence[int], timeout_s: float | None) -> list[tuple[int, ExploreResult | None, str | None]]:
+    def poll(
+        self, handles: Sequence[int], timeout_s: float | None
+    ) -> list[tuple[int, ExploreResult | None, str | None]]:
         """The jobs of `handles` done within `timeout_s` (None: wait for all), as (handle, result, None)."""
         if not handles:
             return []
@@ -325,7 +347,11 @@ def start_runtime(cfg: DiTRecipe, run_dir: str | Path) -> SpotRuntime:
     if r.local_cluster_cpus and not r.ray_address:
         trainer_cpus, cluster_cpus = split_cpus(r.local_cluster_cpus, field="runtime.local_cluster_cpus")
         cpus = children_on(cluster_cpus)
-        logger.info("local cluster on CPU(s) %s, the trainer on %s (runtime.local_cluster_cpus)", sorted(cluster_cpus), sorted(trainer_cpus))
+        logger.info(
+            "local cluster on CPU(s) %s, the trainer on %s (runtime.local_cluster_cpus)",
+            sorted(cluster_cpus),
+            sorted(trainer_cpus),
+        )
     try:
         with cpus:  # the cluster's processes inherit the mask of the thread that starts them
             replay, address = _start_cluster(cfg, run_dir, on_close)
@@ -348,9 +374,11 @@ def start_runtime(cfg: DiTRecipe, run_dir: str | Path) -> SpotRuntime:
             sp_degree=cfg.parallel.sp_degree,
             on_demand_workers=r.on_demand_workers if r.rollouts == "cluster" else 0,
             worker_kwargs={
-                "commit_every": r.commit_every, "num_threads": r.worker_threads,
-                "imds_poll_s": r.notice_poll_s, "step_s": r.emulated_step_s,
-            },  # fmt: skip
+                "commit_every": r.commit_every,
+                "num_threads": r.worker_threads,
+                "imds_poll_s": r.notice_poll_s,
+                "step_s": r.emulated_step_s,
+            },
             # Emulated separate machines: the on-demand workers use the trainer's devices (CPUs
             # here), which it leaves idle while it waits for its rollout.
             on_demand_kwargs={"cpus": sorted(trainer_cpus)} if trainer_cpus is not None else None,
@@ -363,7 +391,7 @@ def start_runtime(cfg: DiTRecipe, run_dir: str | Path) -> SpotRuntime:
         for fn in ([ray.shutdown] if ray.is_initialized() else []) + [f for f in on_close if f is not ray.shutdown]:
             try:
                 fn()
-            except Exception:  # noqa: BLE001 - the original error matters
+            except Exception:
                 pass
         raise
 
@@ -377,13 +405,20 @@ def _start_cluster(cfg: DiTRecipe, run_dir: Path, on_close: list[Callable[[], No
     r = cfg.runtime
     if r.trace:
         trace, _ = fit_trace(
-            r.trace, nodes=r.trace_nodes, window_s=r.trace_window_s, start_s=None if r.trace_start_s < 0 else r.trace_start_s,
-            compress=r.trace_compress, notice_s=r.trace_notice_s,
-        )  # fmt: skip
+            r.trace,
+            nodes=r.trace_nodes,
+            window_s=r.trace_window_s,
+            start_s=None if r.trace_start_s < 0 else r.trace_start_s,
+            compress=r.trace_compress,
+            notice_s=r.trace_notice_s,
+        )
         replay = ReplayProcess(
-            trace, fake_imds=r.trace_notice_s > 0, loop=r.trace_loop,
-            events_path=run_dir / REPLAY_EVENTS, log_path=run_dir / REPLAY_LOG,
-        ).start()  # fmt: skip
+            trace,
+            fake_imds=r.trace_notice_s > 0,
+            loop=r.trace_loop,
+            events_path=run_dir / REPLAY_EVENTS,
+            log_path=run_dir / REPLAY_LOG,
+        ).start()
         on_close.append(replay.stop)
         return replay, replay.address
     if r.ray_address:
@@ -396,5 +431,6 @@ def _start_cluster(cfg: DiTRecipe, run_dir: Path, on_close: list[Callable[[], No
 
 
 def runtime_wanted(cfg: DiTRecipe) -> bool:
-    """Whether a run needs the spot runtime: rollouts on the cluster, or exploration not emulated in the trainer's process."""
+    """Whether a run needs the spot runtime: rollouts on the cluster, or exploration not emulated in the trainer's
+    process."""
     return cfg.runtime.rollouts == "cluster" or (cfg.explore.mode != "none" and not cfg.explore.emulated_nodes)

@@ -19,9 +19,15 @@ from spotlight.latents import PixelShuffleCodec
 from spotlight.policy import PROMPT_TEMPLATE
 
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|image_pad|>", "<|video_pad|>", "[UNK]",
-]  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "[UNK]",
+]
 
 
 def _rope_axes(head_dim: int) -> tuple[int, int, int]:
@@ -83,14 +89,21 @@ def build_tiny_model(folder: str | Path, spec: TinyModelConfig, corpus: list[str
             pad_token_id=ids["<|endoftext|>"],
         ),
         vision_config=dict(
-            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=spec.text_hidden,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0],
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=spec.text_hidden,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            fullatt_block_indexes=[0],
         ),
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-    )  # fmt: skip
+    )
     Qwen2_5_VLForConditionalGeneration(text_cfg).save_pretrained(folder / "text_encoder")
 
     codec = PixelShuffleCodec(spec.codec_factor)

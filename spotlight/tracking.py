@@ -84,7 +84,9 @@ def labelled_grid(images: torch.Tensor, nrow: int, captions: list[str], min_tile
     for i, text in enumerate(lines):
         row, col = divmod(i, num_cols)
         left, top = col * (tile_w + _GAP_PX), row * (tile_h + band + _GAP_PX)
-        out.paste(tiles.crop((left, row * (tile_h + _GAP_PX), left + tile_w, row * (tile_h + _GAP_PX) + tile_h)), (left, top))
+        out.paste(
+            tiles.crop((left, row * (tile_h + _GAP_PX), left + tile_w, row * (tile_h + _GAP_PX) + tile_h)), (left, top)
+        )
         for k, line in enumerate(text):
             draw.text((left + 2, top + tile_h + 2 + k * line_h), line, fill="black", font=font)
     return out
@@ -103,7 +105,9 @@ def _wrap(text: str, font, width: int, max_lines: int) -> list[str]:
     return lines or [""]
 
 
-def save_image_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int, captions: list[str] | None = None) -> Path:
+def save_image_grid(
+    images: torch.Tensor, path: str | os.PathLike, nrow: int, captions: list[str] | None = None
+) -> Path:
     """Write the grid of `images` to `path` (format from its suffix, e.g. .png): `labelled_grid`
     with `captions`, else the plain `image_grid`.
 
@@ -116,7 +120,9 @@ def save_image_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int, ca
         path.parent.mkdir(parents=True, exist_ok=True)
         grid.save(path)
     except OSError as err:
-        raise ValueError(f"cannot write the image {path} ({err.strerror or err}: {err.filename}); choose a writable path") from None
+        raise ValueError(
+            f"cannot write the image {path} ({err.strerror or err}: {err.filename}); choose a writable path"
+        ) from None
     except ValueError as err:  # PIL: no format for that suffix
         raise ValueError(f"cannot write the image {path}: {err}; give a .png path") from None
     return path
@@ -230,9 +236,7 @@ class Tracker:
         if self._run is not None:
             self._run.log(row)
 
-    def log_images(
-        self, key: str, images: torch.Tensor, captions: list[str], step: int, nrow: int
-    ) -> Path:
+    def log_images(self, key: str, images: torch.Tensor, captions: list[str], step: int, nrow: int) -> Path:
         """Save a grid of images to `run_dir/images/{key}-{step:06d}.png` and log it to wandb.
 
         Args:
@@ -246,9 +250,7 @@ class Tracker:
             The PNG path.
         """
         if len(captions) != images.shape[0]:
-            raise ValueError(
-                f"got {len(captions)} captions for {images.shape[0]} images; pass one per image"
-            )
+            raise ValueError(f"got {len(captions)} captions for {images.shape[0]} images; pass one per image")
         grid = labelled_grid(images, nrow, captions)
         path = self.run_dir / IMAGES_DIR / f"{key.replace('/', '_')}-{step:06d}.png"
         path.parent.mkdir(exist_ok=True)

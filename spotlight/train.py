@@ -43,23 +43,34 @@ from spotlight.checkpoint import capture_rng_state, restore_rng_state, save_chec
 from spotlight.config import DiTRecipe
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
-    DataParallel, gather_rewards, gather_train_state, gather_trainable_weights, init_data_parallel, load_resume_checkpoint,
-    load_train_state, shard_transformer, torch_threads,
-)  # fmt: skip
+    DataParallel,
+    gather_rewards,
+    gather_train_state,
+    gather_trainable_weights,
+    init_data_parallel,
+    load_resume_checkpoint,
+    load_train_state,
+    shard_transformer,
+    torch_threads,
+)
 from spotlight.evaluate import evaluate
 from spotlight.explore import (
-    Exploration, opens_before_rollout, publishes_before_rollout, publishes_before_update, start_exploration,
-)  # fmt: skip
-from spotlight.spot_runtime import SpotRuntime, runtime_wanted, start_runtime
+    Exploration,
+    opens_before_rollout,
+    publishes_before_rollout,
+    publishes_before_update,
+    start_exploration,
+)
 from spotlight.grpo import group_advantages
 from spotlight.mirror import CheckpointMirror
-from spotlight.runlock import RunLock, remove_if_empty_run
 from spotlight.optim import run_cooldown_scale
 from spotlight.policy import load_policy, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
 from spotlight.rollout import Rollout, resolve_autocast, rollout
+from spotlight.runlock import RunLock, remove_if_empty_run
 from spotlight.sampling import Trajectory, derive_seed, qwen_image_sigmas, sde_step_indices
+from spotlight.spot_runtime import SpotRuntime, runtime_wanted, start_runtime
 from spotlight.time_budget import IterationBudget
 from spotlight.tracking import Tracker
 from spotlight.trainer import GRPOTrainer
@@ -107,7 +118,9 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
                 cfg.validate()  # before anything is written: a bad recipe leaves no run dir behind
                 mirror = CheckpointMirror(cfg.log.store_url, keep_last=cfg.log.keep_last) if cfg.log.store_url else None
                 # One writer per run directory and store (a second trainer refuses; a dead one is taken over).
-                lock = RunLock(run_dir, "spotlight train", store=mirror.store if mirror else None, lease_s=cfg.log.store_lease_s)
+                lock = RunLock(
+                    run_dir, "spotlight train", store=mirror.store if mirror else None, lease_s=cfg.log.store_lease_s
+                )
                 if mirror is not None:
                     mirror.guard = lock.check
                 if mirror is not None and resume:
@@ -116,7 +129,9 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
                     mirror.restore(run_dir)
                 # The cost clock starts before anything loads: a node is paid for while it loads the model too.
                 # A launch of N processes holds at least N GPUs: charge those when the recipe says fewer.
-                ledger = CostLedger(run_dir, replace(cfg.cost, trainer_gpus=max(cfg.cost.trainer_gpus, dp.world_size)), resume=resume)
+                ledger = CostLedger(
+                    run_dir, replace(cfg.cost, trainer_gpus=max(cfg.cost.trainer_gpus, dp.world_size)), resume=resume
+                )
                 # The runtime's workers (none without cluster rollouts or exploration: Ray is then never
                 # imported) load the model while the trainer does.
                 rt = start_runtime(cfg, run_dir) if runtime_wanted(cfg) else None
@@ -131,7 +146,19 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
                 setup_error = err
         dp.started(setup_error)
         with torch_threads(cfg.train.num_threads):  # for the run only
-            result = _train(cfg, run_dir, dp, exploration, rt, ledger, mirror, lock, resume=resume, progress=progress and dp.is_main, started=started)
+            result = _train(
+                cfg,
+                run_dir,
+                dp,
+                exploration,
+                rt,
+                ledger,
+                mirror,
+                lock,
+                resume=resume,
+                progress=progress and dp.is_main,
+                started=started,
+            )
         dp.finish()
         return result
     finally:
@@ -195,7 +222,9 @@ def _train(
         load_train_state(dp, policy, trainer.optimizer, ckpt.tensors["trainable"], ckpt.optimizer_state)
         if trainer.ema is not None and "ema" not in ckpt.tensors:
             trainer.reset_ema()
-            console.print(f"train.ema_decay={cfg.train.ema_decay}: {ckpt.path} has no moving average; it starts from its weights")
+            console.print(
+                f"train.ema_decay={cfg.train.ema_decay}: {ckpt.path} has no moving average; it starts from its weights"
+            )
         restore_rng_state(ckpt.rng_state)
         start_iter = ckpt.step
         if exploration is not None and "explore" in ckpt.meta:
@@ -208,11 +237,13 @@ def _train(
         workers = rt.wait_ready(cfg.runtime.startup_timeout_s)
         console.print(
             f"runtime: rollouts {cfg.runtime.rollouts}, {workers['spot']} spot and {workers['on_demand']} on-demand "
-            f"worker(s) ready" + (f"; explore.mode={cfg.explore.mode}: {ready} spot group(s) explore" if ready is not None else "")
+            f"worker(s) ready"
+            + (f"; explore.mode={cfg.explore.mode}: {ready} spot group(s) explore" if ready is not None else "")
         )
     elif exploration is not None and cfg.explore.emulated_nodes:
         console.print(
-            f"explore.mode={cfg.explore.mode} on {cfg.explore.emulated_nodes} EMULATED explorer node(s): their jobs run in this "
+            f"explore.mode={cfg.explore.mode} on {cfg.explore.emulated_nodes} EMULATED explorer node(s): their jobs "
+            "run in this "
             "process while the trainer waits (time/emulated_explore_s, not counted in time/iteration_s)"
         )
 
@@ -224,9 +255,13 @@ def _train(
             optimizer_state=optimizer_state,
             rng_state=capture_rng_state(),
             meta={
-                "kind": "dit", "step": step, "metrics": metrics, "lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
+                "kind": "dit",
+                "step": step,
+                "metrics": metrics,
+                "lora_rank": cfg.model.lora_rank,
+                "lora_alpha": cfg.model.lora_alpha,
                 **({"explore": exploration.state_dict()} if exploration is not None else {}),
-            },  # fmt: skip
+            },
             config_yaml=dump_yaml(cfg),
             keep_last=cfg.log.keep_last,
         )
@@ -254,20 +289,44 @@ def _train(
     # Under FSDP every rank rolls out as many samples (sizes differ by at most one): repeats of its last.
     num_pad = dp.num_padding(P * G)
     if dp.world_size > 1:
-        console.print(f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {P * G} samples on rank 0")
+        console.print(
+            f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {P * G} samples on rank 0"
+        )
     autocast = resolve_autocast(cfg.sample.autocast, policy.device, cfg.train.objective)
     if cfg.sample.autocast == "auto" and autocast != "none":
-        console.print(f"sample.autocast=auto: rollouts and evaluation sample in {autocast} (sample.autocast=none for float32)")
+        console.print(
+            f"sample.autocast=auto: rollouts and evaluation sample in {autocast} (sample.autocast=none for float32)"
+        )
     if cfg.train.autocast == "auto" and trainer.autocast != "none":
-        console.print(f"train.autocast=auto: the update's forwards and backward run in {trainer.autocast} (train.autocast=none for float32)")
+        console.print(
+            f"train.autocast=auto: the update's forwards and backward run in {trainer.autocast} (train.autocast=none "
+            "for float32)"
+        )
     history: list[dict] = []
     # The budget runs on the trainer's clock: time spent waiting for emulated explorers
     # (explore.emulated_nodes) is capacity of other machines, not the trainer's.
     emulated_s = [0.0]
     budget = IterationBudget(cfg.train.max_minutes, clock=lambda: time.monotonic() - emulated_s[0])
     cooling = cfg.train.lr_cooldown > 0 and cfg.train.max_minutes > 0
-    columns = [TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
-    tracking = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) if dp.is_main else nullcontext()
+    columns = [
+        TextColumn("[bold]GRPO"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    ]
+    tracking = (
+        Tracker(
+            run_dir,
+            project=cfg.log.wandb_project,
+            run_name=cfg.name,
+            mode=cfg.log.wandb_mode,
+            config=to_dict(cfg),
+            resume_step=start_iter,
+        )
+        if dp.is_main
+        else nullcontext()
+    )
     # prefetch_scope: a prefetch still under way when the loop ends (a stop before the last
     # iteration, an exception) is waited for and dropped, and its worker thread stopped.
     with tracking as tracker, Progress(*columns, console=console) as bar, policy.prompt_cache.prefetch_scope():
@@ -286,7 +345,9 @@ def _train(
             # θ_k before the rollout: for inline exploration of this batch, or (explore.window
             # "iteration") for stale exploration of the next one, which then runs until the update ends.
             stale_early = opens_before_rollout(cfg.explore.mode, cfg.explore.window, it, nxt is not None)
-            early_weights = explore_weights(publishes_before_rollout(cfg.explore.mode, it, cfg.explore.window, nxt is not None))
+            early_weights = explore_weights(
+                publishes_before_rollout(cfg.explore.mode, it, cfg.explore.window, nxt is not None)
+            )
             t_window = time.monotonic()
             if exploration is not None:
                 seeds = exploration.seeds_for(it, early_weights, prompts[::G], seeds, sde_steps, nxt)
@@ -305,7 +366,9 @@ def _train(
                 ro = rt.rollout(it, LocalWeightsSource(policy), prompts, seeds, sde_steps, sigmas)
             else:
                 ro = rollout(
-                    policy, dp.padded_shard(prompts), dp.padded_shard(seeds),
+                    policy,
+                    dp.padded_shard(prompts),
+                    dp.padded_shard(seeds),
                     sigmas,
                     noise_level=cfg.sample.noise_level,
                     sde_steps=sde_steps,
@@ -314,7 +377,7 @@ def _train(
                     negative_prompt=cfg.sample.negative_prompt,
                     batch_size=cfg.sample.batch_size,
                     autocast=autocast,
-                )  # fmt: skip
+                )
             if num_pad:
                 ro = _first(ro, hi - lo)
             t1 = time.monotonic()
@@ -326,7 +389,9 @@ def _train(
             t2 = time.monotonic()
             # 4. Stale exploration (explore.window "update", and iteration 0): publish θ_k, explore
             #    the next batch with it during the update.
-            stale_weights = explore_weights(publishes_before_update(cfg.explore.mode, nxt is not None, cfg.explore.window, it))  # θ_k, before the update
+            stale_weights = explore_weights(
+                publishes_before_update(cfg.explore.mode, nxt is not None, cfg.explore.window, it)
+            )  # θ_k, before the update
             if exploration is not None:
                 exploration.launch(it, stale_weights, reward.total_B, seeds, t2 - t_ro, nxt)
             stale_weights.settle()
@@ -335,7 +400,9 @@ def _train(
             #    at a falling learning rate (run_cooldown_scale; rank 0's clock decides for every rank).
             if cooling:
                 tc = cfg.train
-                trainer.lr_scale = dp.broadcast_object(run_cooldown_scale(budget, it + 1, tc.num_iterations, tc.lr_cooldown, tc.lr_cooldown_floor))
+                trainer.lr_scale = dp.broadcast_object(
+                    run_cooldown_scale(budget, it + 1, tc.num_iterations, tc.lr_cooldown, tc.lr_cooldown_floor)
+                )
             stats = trainer.update(ro, adv, it)
             t3 = time.monotonic()
             encoder = policy.prompt_cache.end_step()
@@ -366,7 +433,11 @@ def _train(
                 **(exploration.metrics() if exploration is not None else {}),
                 **(rt.metrics() if rt is not None else {}),
                 # Weights copied (gathered, under FSDP) for the explorers: only for a window with candidates.
-                **({"explore/weights_copies": early_weights.copies + stale_weights.copies} if exploration is not None else {}),
+                **(
+                    {"explore/weights_copies": early_weights.copies + stale_weights.copies}
+                    if exploration is not None
+                    else {}
+                ),
                 "time/iteration_s": time.monotonic() - t0,
             }
             # Emulated explorers ran while the trainer waited (spotlight.emulated): not trainer time.
@@ -413,10 +484,19 @@ def _train(
                         ema = gather_trainable_weights(dp, policy)
                         ema = ema and {k: v.detach().clone() for k, v in ema.items()}  # not the live tensors
                 if dp.is_main:
-                    last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith(("time/", "cost/"))}, *state, ema)
-            bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}" + (f" · {rt.describe()}" if rt is not None else ""))
+                    last_ckpt = checkpoint(
+                        step, {k: v for k, v in metrics.items() if not k.startswith(("time/", "cost/"))}, *state, ema
+                    )
+            bar.update(
+                task,
+                advance=1,
+                description=f"reward {metrics['reward/mean']:.3f}" + (f" · {rt.describe()}" if rt is not None else ""),
+            )
             if out_of_time:
-                console.print(f"train.max_minutes={cfg.train.max_minutes}: iteration {step + 1} would not end in time; stopping after {step}")
+                console.print(
+                    f"train.max_minutes={cfg.train.max_minutes}: iteration {step + 1} would not end in time; stopping "
+                    f"after {step}"
+                )
                 break
             if at_target and step < cfg.train.num_iterations:
                 console.print(f"eval.stop_at={cfg.eval.stop_at}: the held-out reward reached it; stopping after {step}")
@@ -465,7 +545,9 @@ class ShardedWeightsSource:
         self._full: dict[str, torch.Tensor] | None = None
 
     def __call__(self) -> dict[str, torch.Tensor] | None:
-        assert self.needed and self.dp.is_main, "only rank 0's explorers take the weights, and only when a window may open"
+        assert self.needed and self.dp.is_main, (
+            "only rank 0's explorers take the weights, and only when a window may open"
+        )
         if not self.copies:
             self.dp.broadcast_object(True)
             self._full = gather_trainable_weights(self.dp, self.policy)

@@ -30,7 +30,14 @@ import torch
 
 from spotlight.config import DiTRecipe
 from spotlight.distributed import DataParallel, swapped_shards
-from spotlight.grpo import Advantages, clipped_policy_loss, gaussian_mean_kl, nft_level_indices, nft_loss, nft_optimality
+from spotlight.grpo import (
+    Advantages,
+    clipped_policy_loss,
+    gaussian_mean_kl,
+    nft_level_indices,
+    nft_loss,
+    nft_optimality,
+)
 from spotlight.optim import apply_lr_schedule
 from spotlight.policy import DiTPolicy
 from spotlight.rollout import AUTOCAST_DTYPES, PromptBatch, Rollout, encode, guided_velocity, resolve_train_autocast
@@ -47,7 +54,8 @@ class GRPOTrainer:
         self.params = [p for p in policy.transformer.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the transformer has no trainable parameters (model.lora_rank / model config?)")
-        # Every replica starts from rank 0's weights, as DDP does (a LoRA init follows train.seed, but a caller may pass any policy).
+        # Every replica starts from rank 0's weights, as DDP does (a LoRA init follows train.seed, but a caller
+        # may pass any policy).
         # (A sharded transformer was synchronised before sharding: `distributed.shard_transformer`.)
         if not self.dp.sharded:
             self.dp.broadcast_tensors(self.params)
@@ -89,7 +97,8 @@ class GRPOTrainer:
             yield
 
     def _shards(self) -> list[torch.Tensor]:
-        """A clone of this rank's trainable parameters (its shards under FSDP): old policy, reference, moving average."""
+        """A clone of this rank's trainable parameters (its shards under FSDP): old policy, reference,
+        moving average."""
         return [p.detach().clone() for p in self.params]
 
     @contextmanager
@@ -195,14 +204,28 @@ class GRPOTrainer:
                     sigma_M = traj.sigmas[j].expand(len(idx_M))
                     v = guided_velocity(self.policy, x_MLC, sigma_M, mb, cfg.sample.guidance_scale)
                     out = stochastic_step(
-                        cfg.sample.sde_type, v, x_MLC, traj.sigmas[j], traj.sigmas[j + 1], cfg.sample.noise_level, prev_sample=x_next_MLC
+                        cfg.sample.sde_type,
+                        v,
+                        x_MLC,
+                        traj.sigmas[j],
+                        traj.sigmas[j + 1],
+                        cfg.sample.noise_level,
+                        prev_sample=x_next_MLC,
                     )
-                    loss, s = clipped_policy_loss(out.log_prob, traj.log_probs[j][rows_M], adv_B[idx_M], cfg.train.clip_range)
+                    loss, s = clipped_policy_loss(
+                        out.log_prob, traj.log_probs[j][rows_M], adv_B[idx_M], cfg.train.clip_range
+                    )
                     if cfg.train.beta > 0:
                         with torch.no_grad(), self._reference():
                             v_ref = guided_velocity(self.policy, x_MLC, sigma_M, mb, cfg.sample.guidance_scale)
                             ref = stochastic_step(
-                                cfg.sample.sde_type, v_ref, x_MLC, traj.sigmas[j], traj.sigmas[j + 1], cfg.sample.noise_level, prev_sample=x_next_MLC
+                                cfg.sample.sde_type,
+                                v_ref,
+                                x_MLC,
+                                traj.sigmas[j],
+                                traj.sigmas[j + 1],
+                                cfg.sample.noise_level,
+                                prev_sample=x_next_MLC,
                             )
                         kl = gaussian_mean_kl(out.mean, ref.mean, out.std).mean()
                         loss = loss + cfg.train.beta * kl
@@ -243,7 +266,11 @@ class GRPOTrainer:
         num_steps = tcfg.num_inner_epochs * math.ceil(len(trainable) / tcfg.minibatch_size)
         old = None
         if num_steps > 1:
-            old = self._shards() if self.dp.sharded else copy.deepcopy(self.policy.transformer).requires_grad_(False).eval()
+            old = (
+                self._shards()
+                if self.dp.sharded
+                else copy.deepcopy(self.policy.transformer).requires_grad_(False).eval()
+            )
         first_step = True
         r_B = nft_optimality(adv_B, tcfg.nft_adv_max)
         keys = ["loss", "nft_pos_err", "nft_neg_err"] + (["kl_ref"] if tcfg.beta > 0 else [])
@@ -291,7 +318,12 @@ class GRPOTrainer:
                         with torch.no_grad(), old_weights, self._amp():
                             v_old = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
                     loss, s_nft = nft_loss(
-                        v, v_old, target, r_B[idx_M], tcfg.nft_beta, sigma_B=sigma_M if tcfg.nft_weighting == "adaptive" else None
+                        v,
+                        v_old,
+                        target,
+                        r_B[idx_M],
+                        tcfg.nft_beta,
+                        sigma_B=sigma_M if tcfg.nft_weighting == "adaptive" else None,
                     )
                     if tcfg.beta > 0:
                         # KL to the reference in velocity space (the Gaussian-step KL up to a

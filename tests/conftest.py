@@ -35,7 +35,10 @@ def _torch_threads(request):
     threads = torch.get_num_threads()
     yield
     if torch.get_num_threads() != threads:
-        warnings.warn(f"{request.node.nodeid} left torch at {torch.get_num_threads()} thread(s), not {threads}: restored", stacklevel=1)
+        warnings.warn(
+            f"{request.node.nodeid} left torch at {torch.get_num_threads()} thread(s), not {threads}: restored",
+            stacklevel=1,
+        )
         torch.set_num_threads(threads)
 
 

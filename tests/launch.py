@@ -34,7 +34,17 @@ def cpu_fsdp_config(path: Path) -> Path:
 
 def launch(config: Path | str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file config -m spotlight.cli` with `args`, one thread per process."""
-    cmd = [str(ACCELERATE), "launch", "--config_file", str(config), "--main_process_port", str(free_port()), "-m", "spotlight.cli", *args]
+    cmd = [
+        str(ACCELERATE),
+        "launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "spotlight.cli",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
 
 
@@ -54,10 +64,24 @@ def launch_machines(
     try:
         for rank, cwd in enumerate(cwds):
             cmd = [
-                str(ACCELERATE), "launch", "--config_file", str(REPO / config), "--num_machines", str(n),
-                "--num_processes", str(n), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-                "--main_process_port", port, "-m", "spotlight.cli", *args,
-            ]  # fmt: skip
+                str(ACCELERATE),
+                "launch",
+                "--config_file",
+                str(REPO / config),
+                "--num_machines",
+                str(n),
+                "--num_processes",
+                str(n),
+                "--machine_rank",
+                str(rank),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+                "-m",
+                "spotlight.cli",
+                *args,
+            ]
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             logs.append((out, err))
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=_env(), cwd=cwd))

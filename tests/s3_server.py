@@ -23,8 +23,15 @@ SECRETS = (FAKE_KEY_ID, FAKE_SECRET, FAKE_TOKEN)
 def fake_aws_environment() -> Iterator[None]:
     """Fake credentials in the environment; no profile files, no instance metadata, no endpoint."""
     with pytest.MonkeyPatch.context() as mp:
-        for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_EC2",
-                     "AWS_REGION", "AWS_DEFAULT_REGION"):  # fmt: skip
+        for name in (
+            "AWS_PROFILE",
+            "AWS_DEFAULT_PROFILE",
+            "AWS_ENDPOINT_URL",
+            "AWS_ENDPOINT_URL_S3",
+            "AWS_ENDPOINT_URL_EC2",
+            "AWS_REGION",
+            "AWS_DEFAULT_REGION",
+        ):
             mp.delenv(name, raising=False)
         mp.setenv("AWS_ACCESS_KEY_ID", FAKE_KEY_ID)
         mp.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET)

@@ -20,7 +20,9 @@ def _keys(tree: ast.AST) -> set[str]:
     keys = {k.value for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys if isinstance(k, ast.Constant)}
     for n in ast.walk(tree):
         if isinstance(n, ast.Assign):
-            keys |= {t.slice.value for t in n.targets if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant)}
+            keys |= {
+                t.slice.value for t in n.targets if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant)
+            }
     return keys
 
 

@@ -49,8 +49,13 @@ def test_round_trip_tensors_meta_config(tmp_path):
     }
     meta = {"step": 12, "metrics": {"reward": 0.5}, "samples_seen": [1, 2]}
     path = save_checkpoint(
-        tmp_path, 12, tensors=tensors, optimizer_state=None, rng_state=capture_rng_state(),
-        meta=meta, config_yaml=CONFIG,
+        tmp_path,
+        12,
+        tensors=tensors,
+        optimizer_state=None,
+        rng_state=capture_rng_state(),
+        meta=meta,
+        config_yaml=CONFIG,
     )
     assert path == tmp_path / "checkpoints" / "step-00000012"
     loaded = load_checkpoint(path)
@@ -105,8 +110,13 @@ def test_adamw_resume_is_bit_identical(tmp_path):
     model, opt = _make_model_and_opt()
     _train(model, opt, 3)
     save_checkpoint(
-        tmp_path, 3, tensors={"model": model.state_dict()}, optimizer_state=opt.state_dict(),
-        rng_state=capture_rng_state(), meta={}, config_yaml=CONFIG,
+        tmp_path,
+        3,
+        tensors={"model": model.state_dict()},
+        optimizer_state=opt.state_dict(),
+        rng_state=capture_rng_state(),
+        meta={},
+        config_yaml=CONFIG,
     )
     opt_state_at_save = copy.deepcopy(opt.state_dict())
     before = [p.detach().clone() for p in model.parameters()]
@@ -182,9 +192,7 @@ def test_leftover_tmp_dir_is_ignored_and_cleaned(tmp_path):
     assert load_checkpoint(tmp_path).step == 1
     _save(tmp_path, 2)
     assert not leftover.exists()
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "latest", "step-00000001", "step-00000002"
-    ]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-00000001", "step-00000002"]
 
 
 def test_keep_last_and_latest_pointer(tmp_path):
@@ -192,9 +200,7 @@ def test_keep_last_and_latest_pointer(tmp_path):
         _save(tmp_path, step, keep_last=2)
         latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
         assert latest == f"step-{step:08d}"
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == [
-        "step-00000004", "step-00000005"
-    ]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-00000004", "step-00000005"]
     with pytest.raises(ValueError, match="keep_last"):
         _save(tmp_path, 6, keep_last=0)
 
@@ -206,8 +212,7 @@ def test_load_from_run_dir_checkpoints_dir_and_step_dir(tmp_path):
     assert load_checkpoint(tmp_path).step == 2
     assert load_checkpoint(ckpt_dir).step == 2
     assert load_checkpoint(ckpt_dir / "step-00000001").step == 1
-    assert torch.equal(load_checkpoint(str(ckpt_dir / "step-00000001")).tensors["model"]["w"],
-                       torch.full((2, 3), 1.0))
+    assert torch.equal(load_checkpoint(str(ckpt_dir / "step-00000001")).tensors["model"]["w"], torch.full((2, 3), 1.0))
     # Without `latest`, the highest complete step dir is used.
     (ckpt_dir / "latest").unlink()
     assert load_checkpoint(tmp_path).step == 2
@@ -272,9 +277,7 @@ def test_unreadable_safetensors_is_refused(tmp_path):
     file = path / "model.safetensors"
     file.write_bytes(b"not a safetensors file")
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"]["model.safetensors"] = {
-        "size": file.stat().st_size, "sha256": ckpt._sha256(file)
-    }
+    manifest["files"]["model.safetensors"] = {"size": file.stat().st_size, "sha256": ckpt._sha256(file)}
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="model.safetensors.*unreadable"):
         load_checkpoint(path)

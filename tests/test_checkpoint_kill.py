@@ -19,7 +19,7 @@ import torch
 
 from spotlight.checkpoint import DAMAGED_DIR, load_checkpoint, newest_intact_checkpoint
 
-CHILD = textwrap.dedent('''
+CHILD = textwrap.dedent("""
     import os, signal, sys
     import torch
     import spotlight.checkpoint as ck
@@ -52,16 +52,29 @@ CHILD = textwrap.dedent('''
     die_at(*where[phase])
     save(second_step)
     print("not killed")
-''')
+""")
 
 
-@pytest.mark.parametrize("phase, second_step", [
-    ("tensor", 2), ("manifest", 2), ("rename", 2), ("latest", 2), ("latest-replace", 2), ("prune", 2),
-    ("tensor", 1), ("rename", 1), ("second-rename", 1), ("latest", 1),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "phase, second_step",
+    [
+        ("tensor", 2),
+        ("manifest", 2),
+        ("rename", 2),
+        ("latest", 2),
+        ("latest-replace", 2),
+        ("prune", 2),
+        ("tensor", 1),
+        ("rename", 1),
+        ("second-rename", 1),
+        ("latest", 1),
+    ],
+)
 def test_a_kill_in_any_phase_of_a_save_loses_nothing(phase, second_step, tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(run), phase, str(second_step)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(run), phase, str(second_step)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == -signal.SIGKILL, (proc.stdout, proc.stderr)
     ckpt = newest_intact_checkpoint(run)
     assert ckpt is not None and ckpt.step in (1, second_step)

@@ -72,8 +72,19 @@ def test_train_eval_sample_end_to_end(tiny_model_dir, tmp_path):
     assert 0.0 <= result["mean_reward"] <= 1.0
 
     out = tmp_path / "grid.png"
-    proc = run_cli("sample", *tiny_overrides(tiny_model_dir), "--prompt", "two red circles", "--seeds", "1", "2",
-                   "--checkpoint", str(run_dir), "--out", str(out))  # fmt: skip
+    proc = run_cli(
+        "sample",
+        *tiny_overrides(tiny_model_dir),
+        "--prompt",
+        "two red circles",
+        "--seeds",
+        "1",
+        "2",
+        "--checkpoint",
+        str(run_dir),
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     from PIL import Image
 
@@ -105,13 +116,18 @@ def test_resume_is_exact(tiny_model_dir, tmp_path, objective):
 
 def test_a_run_shorter_than_images_every_still_logs_its_images(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    assert main(["train", *tiny_overrides(tiny_model_dir, 1), "log.images_every=10", "--run-dir", str(run_dir), "--quiet"]) == 0
+    assert (
+        main(["train", *tiny_overrides(tiny_model_dir, 1), "log.images_every=10", "--run-dir", str(run_dir), "--quiet"])
+        == 0
+    )
     assert sorted(p.name for p in (run_dir / "images").iterdir()) == ["rollout-000001.png"]
 
 
 def test_periodic_held_out_eval_during_training(tiny_model_dir, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert main(["train", *tiny_overrides(tiny_model_dir, 2), "eval.every=2", "--run-dir", str(run_dir), "--quiet"]) == 0
+    assert (
+        main(["train", *tiny_overrides(tiny_model_dir, 2), "eval.every=2", "--run-dir", str(run_dir), "--quiet"]) == 0
+    )
     rows = read_metrics(run_dir)
     assert "eval/mean_reward" not in rows[0]
     assert 0.0 <= rows[1]["eval/mean_reward"] <= 1.0
@@ -142,7 +158,10 @@ def test_ema_weights_are_saved_resumed_and_evaluated(tiny_model_dir, tmp_path, c
     capsys.readouterr()
     scores = {}
     for weights in ("auto", "ema", "raw"):
-        assert main(["eval", *tiny_overrides(tiny_model_dir), "--checkpoint", str(full), "--weights", weights, "--json"]) == 0
+        assert (
+            main(["eval", *tiny_overrides(tiny_model_dir), "--checkpoint", str(full), "--weights", weights, "--json"])
+            == 0
+        )
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert result["weights"] == ("raw" if weights == "raw" else "ema")
         scores[weights] = result["mean_reward"]
@@ -150,9 +169,14 @@ def test_ema_weights_are_saved_resumed_and_evaluated(tiny_model_dir, tmp_path, c
 
     # A run without the moving average: auto and raw score its weights; ema is refused, by name.
     plain = tmp_path / "plain"
-    assert main(["train", *tiny_overrides(tiny_model_dir, 2), "train.ema_decay=0", "--run-dir", str(plain), "--quiet"]) == 0
+    assert (
+        main(["train", *tiny_overrides(tiny_model_dir, 2), "train.ema_decay=0", "--run-dir", str(plain), "--quiet"])
+        == 0
+    )
     assert set(load_checkpoint(plain).tensors) == {"trainable"}
-    assert main(["eval", *tiny_overrides(tiny_model_dir), "--checkpoint", str(plain), "--weights", "ema", "--json"]) == 2
+    assert (
+        main(["eval", *tiny_overrides(tiny_model_dir), "--checkpoint", str(plain), "--weights", "ema", "--json"]) == 2
+    )
     err = capsys.readouterr().err
     assert "has no moving average" in err and "train.ema_decay" in err and "--weights raw" in err
 
@@ -162,9 +186,13 @@ def test_ctrl_c_keeps_last_checkpoint_and_resumes(tiny_model_dir, tmp_path):
     args = [*tiny_overrides(tiny_model_dir, 200), "log.checkpoint_every=1", "--run-dir", str(run_dir), "--quiet"]
     # As from a terminal: a test runner started in the background (`cmd &`) ignores SIGINT, and so
     # would the child, which then never sees the Ctrl-C. The default disposition comes back on exec.
-    proc = subprocess.Popen([sys.executable, "-m", "spotlight.cli", "train", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spotlight.cli", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.monotonic() + 180
     while not latest.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -231,7 +259,10 @@ def test_tiny_shapes_recipe_is_the_embedded_default():
         (["sample.sde_type=cps", "sample.noise_level=0.5"], ["sde_type", "sde_window_size"]),
         (["sample.sde_type=cps", "sample.noise_level=1.5", "sample.sde_window_size=2"], ["noise_level", "eta"]),
         (["train.nft_num_timesteps=0"], ["train.nft_num_timesteps"]),
-        (["train.objective=flow_grpo", "sample.noise_level=1.2", "sample.autocast=bfloat16"], ["sample.autocast", "train.objective"]),
+        (
+            ["train.objective=flow_grpo", "sample.noise_level=1.2", "sample.autocast=bfloat16"],
+            ["sample.autocast", "train.objective"],
+        ),
     ],
 )
 def test_objective_and_step_mismatches_name_the_fields(capsys, overrides, names):
@@ -245,7 +276,9 @@ RECIPES = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs/dit").glob("
 
 
 def test_the_recipes_are_found():
-    assert {"configs/dit/tiny-shapes.yaml", "configs/dit/qwen-image.yaml", "configs/dit/tiny-pretrain.yaml"} <= set(RECIPES)
+    assert {"configs/dit/tiny-shapes.yaml", "configs/dit/qwen-image.yaml", "configs/dit/tiny-pretrain.yaml"} <= set(
+        RECIPES
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -263,8 +296,19 @@ def test_every_recipe_loads_and_its_prompt_files_are_shipped(recipe, monkeypatch
 
 def test_pretrain_command_builds_a_loadable_model(tmp_path, capsys):
     out = tmp_path / "base"
-    args = ["pretrain", "configs/dit/tiny-pretrain.yaml", "model.num_layers=1", "model.num_heads=2", "model.head_dim=16",
-            "model.text_hidden=32", "num_steps=3", "batch_size=4", "--out", str(out), "--quiet"]  # fmt: skip
+    args = [
+        "pretrain",
+        "configs/dit/tiny-pretrain.yaml",
+        "model.num_layers=1",
+        "model.num_heads=2",
+        "model.head_dim=16",
+        "model.text_hidden=32",
+        "num_steps=3",
+        "batch_size=4",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 3
@@ -285,8 +329,17 @@ def test_pretrain_caption_dropout_trains_some_images_on_the_empty_prompt(tmp_pat
 
     seen: list[str] = []
     encode = DiTPolicy.encode_prompts
-    monkeypatch.setattr(DiTPolicy, "encode_prompts", lambda self, prompts: (seen.extend(prompts), encode(self, prompts))[1])
-    small = ["model.num_layers=1", "model.num_heads=2", "model.head_dim=16", "model.text_hidden=32", "num_steps=4", "batch_size=16"]
+    monkeypatch.setattr(
+        DiTPolicy, "encode_prompts", lambda self, prompts: (seen.extend(prompts), encode(self, prompts))[1]
+    )
+    small = [
+        "model.num_layers=1",
+        "model.num_heads=2",
+        "model.head_dim=16",
+        "model.text_hidden=32",
+        "num_steps=4",
+        "batch_size=16",
+    ]
     pretrain(load_config(PretrainConfig, None, [*small, "caption_dropout=0.5"]), tmp_path / "a", progress=False)
     dropped = [p for p in seen if p == SampleConfig().negative_prompt]
     assert len(seen) == 64 and 16 <= len(dropped) <= 48, len(dropped)
@@ -354,4 +407,4 @@ def test_eval_states_the_standard_errors_of_its_mean():
     assert se["stderr"] == pytest.approx((1 / 3) ** 0.5 / 2) and se["stderr_prompts"] == 0.0
     # A failed (NaN) sample leaves its prompt with fewer seeds; prompt means 1 and 3.
     se = _standard_errors(torch.tensor([0.0, 2.0, float("nan"), 3.0, 3.0, 3.0]), 2)
-    assert se["stderr"] == pytest.approx((2 / 2) ** 0.5 / 2) and se["stderr_prompts"] == pytest.approx(2 ** 0.5 / 2 ** 0.5)
+    assert se["stderr"] == pytest.approx((2 / 2) ** 0.5 / 2) and se["stderr_prompts"] == pytest.approx(2**0.5 / 2**0.5)

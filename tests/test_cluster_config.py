@@ -70,8 +70,12 @@ def test_declared_resources_match_what_the_autoscaler_detects(prepared, monkeypa
     from moto import mock_aws
     from ray.autoscaler._private.aws.node_provider import AWSNodeProvider
 
-    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                        ("AWS_CONFIG_FILE", os.devnull), ("AWS_SHARED_CREDENTIALS_FILE", os.devnull)):  # fmt: skip
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_CONFIG_FILE", os.devnull),
+        ("AWS_SHARED_CREDENTIALS_FILE", os.devnull),
+    ):
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     bare = copy.deepcopy(prepared)
@@ -81,7 +85,9 @@ def test_declared_resources_match_what_the_autoscaler_detects(prepared, monkeypa
     with mock_aws():
         detected = AWSNodeProvider.fillout_available_node_types_resources(bare)["available_node_types"]
         ec2 = boto3.client("ec2", region_name=prepared["provider"]["region"])
-        gpu_info = {t["InstanceType"]: t["GpuInfo"] for t in ec2.describe_instance_types(InstanceTypes=types)["InstanceTypes"]}
+        gpu_info = {
+            t["InstanceType"]: t["GpuInfo"] for t in ec2.describe_instance_types(InstanceTypes=types)["InstanceTypes"]
+        }
     validate_config({**bare, "available_node_types": detected})
     for name, t in prepared["available_node_types"].items():
         found = detected[name]["resources"]

@@ -64,8 +64,16 @@ def test_children_inherit_the_block_mask_and_pinning_reaches_every_thread():
     trainer, cluster = split_cpus(1)
     assert trainer | cluster == set(CPUS) and not trainer & cluster and len(cluster) == 1
     with children_on(cluster):
-        child = subprocess.Popen([sys.executable, "-c", "import os, sys; print(sorted(os.sched_getaffinity(0))); sys.stdout.flush(); input()"],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import os, sys; print(sorted(os.sched_getaffinity(0))); sys.stdout.flush(); input()",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
     try:
         assert child.stdout.readline().strip() == str(sorted(cluster))
         assert os.sched_getaffinity(0) == set(CPUS)  # the block's mask was the calling thread's, for the block
@@ -95,11 +103,14 @@ def test_the_runtime_starts_its_cluster_on_its_cpus_and_gives_the_trainer_the_re
 
     from spotlight.spot_runtime import start_runtime
 
-    cfg = from_dict(DiTRecipe, {
-        "model": {"path": str(tiny_model_dir), "height": 32, "width": 32},
-        "runtime": {"rollouts": "cluster", "spot_nodes": 1, "local_cluster_cpus": 1},
-        "train": {"num_threads": 0},
-    })  # fmt: skip
+    cfg = from_dict(
+        DiTRecipe,
+        {
+            "model": {"path": str(tiny_model_dir), "height": 32, "width": 32},
+            "runtime": {"rollouts": "cluster", "spot_nodes": 1, "local_cluster_cpus": 1},
+            "train": {"num_threads": 0},
+        },
+    )
     trainer, cluster = split_cpus(1)
     before, threads = descendants(os.getpid()), torch.get_num_threads()
     rt = start_runtime(cfg, tmp_path)
@@ -115,7 +126,8 @@ def test_the_runtime_starts_its_cluster_on_its_cpus_and_gives_the_trainer_the_re
         assert not off, f"cluster processes outside CPU {sorted(cluster)}: {off}"
         assert ray.get(ray.remote(num_cpus=0)(lambda: os.sched_getaffinity(0)).remote()) == cluster
         tids = [int(t) for t in os.listdir("/proc/self/task")]
-        assert {t: cpus for t in tids if (cpus := allowed(t)) not in (None, trainer)} == {}
+        elsewhere = {t: cpus for t in tids if (cpus := allowed(t)) not in (None, trainer)}
+        assert elsewhere == {}
         assert torch.get_num_threads() == len(trainer)
     finally:
         rt.close()

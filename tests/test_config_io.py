@@ -5,12 +5,19 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 
 from spotlight.config_io import (
-    describe, dump_yaml, field_docs, from_dict, load_config, parse_override, save_config, to_dict,
+    describe,
+    dump_yaml,
+    field_docs,
+    from_dict,
+    load_config,
+    parse_override,
+    save_config,
+    to_dict,
 )
 
 
@@ -42,13 +49,12 @@ class Train:
     """LoRA adapter; null trains all weights."""
     reward_weights: dict[str, float] = field(default_factory=lambda: {"aesthetic": 1.0})
     """Weight of each reward model."""
-    warmup: Optional[int] = None
+    warmup: int | None = None
     """Warmup steps; null means no warmup."""
 
     def validate(self) -> None:
         if self.warmup is not None and self.warmup > self.steps:
-            raise ValueError(
-                f"warmup ({self.warmup}) must be <= steps ({self.steps}); lower warmup")
+            raise ValueError(f"warmup ({self.warmup}) must be <= steps ({self.steps}); lower warmup")
 
 
 @dataclass
@@ -191,11 +197,16 @@ def test_optional_fields_and_sections(tmp_path):
 
 
 def test_list_tuple_dict_fields():
-    cfg = from_dict(Config, {"train": {
-        "optim": {"betas": [0.8, 1]},
-        "lora": {"targets": ["a", "b", "c"]},
-        "reward_weights": {"clip": 0.5, "ocr": 2},
-    }})
+    cfg = from_dict(
+        Config,
+        {
+            "train": {
+                "optim": {"betas": [0.8, 1]},
+                "lora": {"targets": ["a", "b", "c"]},
+                "reward_weights": {"clip": 0.5, "ocr": 2},
+            }
+        },
+    )
     assert cfg.train.optim.betas == (0.8, 1.0) and isinstance(cfg.train.optim.betas, tuple)
     assert cfg.train.lora.targets == ["a", "b", "c"]
     assert cfg.train.reward_weights == {"clip": 0.5, "ocr": 2.0}  # replaced, not merged
@@ -207,7 +218,9 @@ def test_list_tuple_dict_fields():
         from_dict(Config, {"train": {"lora": {"targets": "to_q"}}})
     # A dotted override adds one entry to the default mapping; a mapping given whole replaces it.
     assert load_config(Config, overrides=["train.reward_weights.ocr=3"]).train.reward_weights == {
-        "aesthetic": 1.0, "ocr": 3.0}
+        "aesthetic": 1.0,
+        "ocr": 3.0,
+    }
     cfg = load_config(Config, overrides=["train.reward_weights={ocr: 3}"])
     assert cfg.train.reward_weights == {"ocr": 3.0}
 
@@ -273,22 +286,25 @@ def test_recipe_top_level_must_be_mapping(tmp_path):
 # ---------------------------------------------------------------------------- overrides
 
 
-@pytest.mark.parametrize("text, key, value", [
-    ("train.lr=3e-4", "train.lr", 3e-4),
-    ("lr=1e5", "lr", 1e5),
-    ("lr=1.5E-3", "lr", 1.5e-3),
-    ("lr=-2e-2", "lr", -2e-2),
-    ("lr=0.1", "lr", 0.1),
-    ("steps=10", "steps", 10),
-    ("a.b=[1,2]", "a.b", [1, 2]),
-    ("a=null", "a", None),
-    ("a=true", "a", True),
-    ("a=hello world", "a", "hello world"),
-    ("a=x=y", "a", "x=y"),
-    ("a='3e-4'", "a", "3e-4"),
-    ("a=", "a", ""),
-    ("a={b: 1}", "a", {"b": 1}),
-])
+@pytest.mark.parametrize(
+    "text, key, value",
+    [
+        ("train.lr=3e-4", "train.lr", 3e-4),
+        ("lr=1e5", "lr", 1e5),
+        ("lr=1.5E-3", "lr", 1.5e-3),
+        ("lr=-2e-2", "lr", -2e-2),
+        ("lr=0.1", "lr", 0.1),
+        ("steps=10", "steps", 10),
+        ("a.b=[1,2]", "a.b", [1, 2]),
+        ("a=null", "a", None),
+        ("a=true", "a", True),
+        ("a=hello world", "a", "hello world"),
+        ("a=x=y", "a", "x=y"),
+        ("a='3e-4'", "a", "3e-4"),
+        ("a=", "a", ""),
+        ("a={b: 1}", "a", {"b": 1}),
+    ],
+)
 def test_parse_override(text, key, value):
     k, v = parse_override(text)
     assert k == key and v == value and type(v) is type(value)
@@ -342,9 +358,18 @@ def test_post_init_value_error_is_prefixed_too():
 
 
 def _custom_config() -> Config:
-    return Config(name="3e-4", seed=5, bf16=False, train=Train(
-        steps=7, optim=Optim(lr=1e-10, betas=(0.5, 0.75), name="sgd"),
-        lora=Lora(rank=2, targets=["x"]), reward_weights={"a": 0.25, "b": 1e-3}, warmup=3))
+    return Config(
+        name="3e-4",
+        seed=5,
+        bf16=False,
+        train=Train(
+            steps=7,
+            optim=Optim(lr=1e-10, betas=(0.5, 0.75), name="sgd"),
+            lora=Lora(rank=2, targets=["x"]),
+            reward_weights={"a": 0.25, "b": 1e-3},
+            warmup=3,
+        ),
+    )
 
 
 def test_to_dict_is_plain_and_yaml_safe():
@@ -413,6 +438,5 @@ def test_describe_lists_keys_types_defaults_docs():
     assert "train.optim.name (Literal['adamw', 'sgd'], default adamw): Optimizer to use." in lines
     assert "train.lora (Lora | None, default null): LoRA adapter; null trains all weights." in lines
     assert "train.lora.rank (int, default 8): LoRA rank." in lines
-    assert ("train.reward_weights (dict[str, float], default {aesthetic: 1.0}): "
-            "Weight of each reward model.") in lines
+    assert ("train.reward_weights (dict[str, float], default {aesthetic: 1.0}): Weight of each reward model.") in lines
     assert "path (str, required): Where the data lives." in describe(Required).splitlines()

@@ -16,6 +16,7 @@ from pathlib import Path
 import boto3
 import pytest
 from botocore.stub import Stubber
+from s3_server import SECRETS, fake_aws_environment
 
 from spot.cost import (
     COST_FILE,
@@ -27,7 +28,6 @@ from spot.cost import (
     price_steps,
     read_ledger,
 )
-from s3_server import SECRETS, fake_aws_environment
 from spotlight.cli import main
 
 FIXTURE = Path(__file__).parent / "data" / "spot_price_history_p5.4xlarge_us-east-1.json"
@@ -52,11 +52,20 @@ def stubbed_ec2(calls: list[dict]):
     client = boto3.client("ec2", region_name="us-east-1")
     stub = Stubber(client)
     for call in calls:
-        request = {**call["request"], "StartTime": _dt(call["request"]["StartTime"]), "EndTime": _dt(call["request"]["EndTime"])}
+        request = {
+            **call["request"],
+            "StartTime": _dt(call["request"]["StartTime"]),
+            "EndTime": _dt(call["request"]["EndTime"]),
+        }
         token = None
         for page in call["pages"]:
-            response = {**page, "SpotPriceHistory": [{**r, "Timestamp": _dt(r["Timestamp"])} for r in page["SpotPriceHistory"]]}
-            stub.add_response("describe_spot_price_history", response, {**request, **({"NextToken": token} if token else {})})
+            response = {
+                **page,
+                "SpotPriceHistory": [{**r, "Timestamp": _dt(r["Timestamp"])} for r in page["SpotPriceHistory"]],
+            }
+            stub.add_response(
+                "describe_spot_price_history", response, {**request, **({"NextToken": token} if token else {})}
+            )
             token = page["NextToken"]
     stub.activate()
     return client, stub
@@ -104,23 +113,39 @@ def test_fetch_reads_every_page_of_the_recorded_history():
     )
     stub.assert_no_pending_responses()  # both pages were asked for, the second with the NextToken
     assert [(r.availability_zone, r.usd_per_hour) for r in records] == [
-        ("us-east-1b", 2.8457), ("us-east-1a", 3.1204), ("us-east-1d", 2.7712)
-    ]  # fmt: skip
+        ("us-east-1b", 2.8457),
+        ("us-east-1a", 3.1204),
+        ("us-east-1d", 2.7712),
+    ]
     assert records[0].time == ts("2025-06-01T18:40:33Z")
 
 
 def test_fetch_asks_for_one_availability_zone():
     client = boto3.client("ec2", region_name="us-east-1")
     with Stubber(client) as stub:
-        row = {"AvailabilityZone": "us-east-1a", "InstanceType": "p5.4xlarge", "ProductDescription": "Linux/UNIX",
-               "SpotPrice": "3.120400", "Timestamp": _dt("2025-06-01T21:14:07Z")}  # fmt: skip
-        expected = {"InstanceTypes": ["p5.4xlarge"], "ProductDescriptions": ["Linux/UNIX"], "AvailabilityZone": "us-east-1a",
-                    "StartTime": _dt("2025-06-02T00:00:00Z"), "EndTime": _dt("2025-06-02T01:00:00Z")}  # fmt: skip
+        row = {
+            "AvailabilityZone": "us-east-1a",
+            "InstanceType": "p5.4xlarge",
+            "ProductDescription": "Linux/UNIX",
+            "SpotPrice": "3.120400",
+            "Timestamp": _dt("2025-06-01T21:14:07Z"),
+        }
+        expected = {
+            "InstanceTypes": ["p5.4xlarge"],
+            "ProductDescriptions": ["Linux/UNIX"],
+            "AvailabilityZone": "us-east-1a",
+            "StartTime": _dt("2025-06-02T00:00:00Z"),
+            "EndTime": _dt("2025-06-02T01:00:00Z"),
+        }
         stub.add_response("describe_spot_price_history", {"SpotPriceHistory": [row]}, expected)
         records = fetch_spot_price_history(
-            client, instance_type="p5.4xlarge", product_description="Linux/UNIX", start=T0, end=T0 + HOUR,
+            client,
+            instance_type="p5.4xlarge",
+            product_description="Linux/UNIX",
+            start=T0,
+            end=T0 + HOUR,
             availability_zone="us-east-1a",
-        )  # fmt: skip
+        )
     assert [r.usd_per_hour for r in records] == [3.1204]
 
 
@@ -143,7 +168,9 @@ def test_ledger_prices_spot_seconds_with_the_history_in_effect_then(tmp_path):
     assert m["cost/usd_spot"] == pytest.approx(spot)
     assert m["cost/usd_on_demand"] == pytest.approx(on_demand)
     assert m["cost/usd_total"] == pytest.approx(spot + on_demand)
-    assert m["cost/gpu_s_spot"] == pytest.approx(2 * 5 * HOUR) and m["cost/gpu_s_on_demand"] == pytest.approx(2 * 6 * HOUR)
+    assert m["cost/gpu_s_spot"] == pytest.approx(2 * 5 * HOUR) and m["cost/gpu_s_on_demand"] == pytest.approx(
+        2 * 6 * HOUR
+    )
     assert m["cost/usd_on_demand_only"] == pytest.approx((2 * 6 + 2 * 5) * 6.88)
     assert m["cost/spot_gpus_held"] == 0
     doc = read_ledger(tmp_path / COST_FILE)
@@ -190,7 +217,10 @@ def test_cost_path_never_writes_credentials(tmp_path, caplog, monkeypatch):
     finally:
         server.stop()
     assert "Credential=***" in caplog.text  # the signed requests were logged, masked
-    texts = {"logs": caplog.text, **{str(p): p.read_bytes().decode("latin-1") for p in tmp_path.rglob("*") if p.is_file()}}
+    texts = {
+        "logs": caplog.text,
+        **{str(p): p.read_bytes().decode("latin-1") for p in tmp_path.rglob("*") if p.is_file()},
+    }
     for where, text in texts.items():
         for secret in SECRETS:
             assert secret not in text, f"{secret} leaked into {where}"
@@ -209,7 +239,10 @@ def test_ledger_survives_resume_and_a_price_change(tmp_path):
     resumed.charge(spot_gpus=1, now=T0 + 3 * HOUR)
     s = read_ledger(tmp_path)  # the run directory works as well as the file
     pools = s["pools"]
-    assert pools["on_demand"]["usage"] == [[T0, T0 + HOUR, 1], [T0 + 2 * HOUR, T0 + 3 * HOUR, 1]]  # the gap is not charged
+    assert pools["on_demand"]["usage"] == [
+        [T0, T0 + HOUR, 1],
+        [T0 + 2 * HOUR, T0 + 3 * HOUR, 1],
+    ]  # the gap is not charged
     m = resumed.metrics()
     assert m["cost/usd_on_demand"] == pytest.approx(4.0 + 8.0)
     assert m["cost/usd_spot"] == pytest.approx(3 * 1.0 + 1 * 2.0)
@@ -237,7 +270,16 @@ def test_cost_command_prints_the_ledger(tmp_path, capsys):
     ledger.charge(spot_gpus=4, now=T0 + HOUR)
     assert main(["cost", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for text in ("on_demand", "spot", "75% off on-demand", "config: 4 USD/GPU-hour", "on-demand only", "20.00", "12.00", "60.0%"):
+    for text in (
+        "on_demand",
+        "spot",
+        "75% off on-demand",
+        "config: 4 USD/GPU-hour",
+        "on-demand only",
+        "20.00",
+        "12.00",
+        "60.0%",
+    ):
         assert text in out, (text, out)
     assert main(["cost", str(tmp_path), "--json"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -257,8 +299,11 @@ def test_cost_command_names_a_missing_or_malformed_ledger(tmp_path, capsys, cont
 
 
 def test_cost_config_mistakes_name_the_field(capsys):
-    for override, name in (("cost.spot_discount=1.5", "cost.spot_discount"), ("cost.trainer_gpus=0", "cost.trainer_gpus"),
-                           ("cost.spot_price=auction", "cost.spot_price")):  # fmt: skip
+    for override, name in (
+        ("cost.spot_discount=1.5", "cost.spot_discount"),
+        ("cost.trainer_gpus=0", "cost.trainer_gpus"),
+        ("cost.spot_price=auction", "cost.spot_price"),
+    ):
         assert main(["config", override]) == 2
         assert name in capsys.readouterr().err
 
@@ -287,7 +332,10 @@ def test_training_logs_its_cost_each_iteration(tiny_model_dir, tmp_path):
     data["train"]["num_iterations"] = 3
     run_training(from_dict(DiTRecipe, data), tmp_path, progress=False)
     after = read_ledger(tmp_path)
-    assert after["pools"]["on_demand"]["usage"][: len(first["pools"]["on_demand"]["usage"])] == first["pools"]["on_demand"]["usage"]
+    assert (
+        after["pools"]["on_demand"]["usage"][: len(first["pools"]["on_demand"]["usage"])]
+        == first["pools"]["on_demand"]["usage"]
+    )
     assert read_metrics(tmp_path)[-1]["cost/usd_total"] > totals[-1]
 
 
@@ -298,16 +346,25 @@ def test_spot_gpus_held_are_charged_while_exploring(tiny_model_dir, tmp_path):
     from spotlight.tracking import read_metrics
     from spotlight.train import run_training
 
-    cfg = from_dict(DiTRecipe, {
-        "model": {"path": str(tiny_model_dir)},
-        "sample": {"num_steps": 2, "eval_num_steps": 2},
-        "train": {"num_iterations": 2, "prompts_per_iteration": 2, "group_size": 2, "minibatch_size": 4, "max_minutes": 0},
-        "log": {"checkpoint_every": 2, "images_every": 0, "wandb_mode": "disabled"},
-        "data": {"num_heldout": 8},
-        "explore": {"mode": "stale", "max_candidates": 4},
-        "runtime": {"spot_nodes": 2},
-        "cost": {"on_demand_usd_per_gpu_hour": 3.6, "spot_discount": 0.5},
-    })  # fmt: skip
+    cfg = from_dict(
+        DiTRecipe,
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "sample": {"num_steps": 2, "eval_num_steps": 2},
+            "train": {
+                "num_iterations": 2,
+                "prompts_per_iteration": 2,
+                "group_size": 2,
+                "minibatch_size": 4,
+                "max_minutes": 0,
+            },
+            "log": {"checkpoint_every": 2, "images_every": 0, "wandb_mode": "disabled"},
+            "data": {"num_heldout": 8},
+            "explore": {"mode": "stale", "max_candidates": 4},
+            "runtime": {"spot_nodes": 2},
+            "cost": {"on_demand_usd_per_gpu_hour": 3.6, "spot_discount": 0.5},
+        },
+    )
     run_training(cfg, tmp_path, progress=False)
     rows = read_metrics(tmp_path)
     assert all(0 < r["cost/spot_gpus_held"] <= 2 for r in rows)  # 2, unless Ray declared a node dead meanwhile

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_grpo import _cfg
+from test_vlm_train import _recipe, _weights, base  # noqa: F401 (base: the warm-started VLM fixture)
 
 from spotlight.grpo import group_advantages
 from spotlight.rollout import rollout
 from spotlight.sampling import qwen_image_sigmas
-from spotlight.trainer import GRPOTrainer
 from spotlight.tracking import read_metrics
-from test_grpo import _cfg
-from test_vlm_train import _recipe, _weights, base  # noqa: F401 (base: the warm-started VLM fixture)
+from spotlight.trainer import GRPOTrainer
 from vlm.train import run_training
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -107,10 +107,17 @@ def test_cli_trains_resumes_and_evaluates_the_tiny_recipe_on_cuda(tmp_path, caps
 
     recipe = str(REPO / "configs/dit/tiny-shapes.yaml")
     small = [
-        "model.device=cuda", "explore.mode=none", "log.wandb_mode=disabled", "train.max_minutes=0",
-        "train.prompts_per_iteration=4", "train.group_size=4", "log.images_every=1", "log.checkpoint_every=1",
-        "data.num_heldout=8", "eval.num_seeds=2",
-    ]  # fmt: skip
+        "model.device=cuda",
+        "explore.mode=none",
+        "log.wandb_mode=disabled",
+        "train.max_minutes=0",
+        "train.prompts_per_iteration=4",
+        "train.group_size=4",
+        "log.images_every=1",
+        "log.checkpoint_every=1",
+        "data.num_heldout=8",
+        "eval.num_seeds=2",
+    ]
     run = tmp_path / "run"
     assert main(["train", recipe, "--run-dir", str(run), "--quiet", "train.num_iterations=2", *small]) == 0
     assert main(["train", recipe, "--run-dir", str(run), "--quiet", "train.num_iterations=3", *small]) == 0

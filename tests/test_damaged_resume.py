@@ -3,16 +3,15 @@ bit-identical to an uninterrupted run (spotlight.checkpoint.newest_intact_checkp
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from test_cli import tiny_overrides, without_time
 
 from spotlight.checkpoint import DAMAGED_DIR, load_checkpoint
 from spotlight.cli import main
 from spotlight.tracking import read_metrics
-from test_cli import tiny_overrides, without_time
 
 
 def truncate(step_dir: Path) -> None:
@@ -44,7 +43,9 @@ def uninterrupted(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("damage", [truncate, flip_a_byte, cut_manifest, no_manifest])
-def test_resume_skips_a_damaged_newest_checkpoint_and_ends_as_if_uninterrupted(damage, tiny_model_dir, uninterrupted, tmp_path, caplog):
+def test_resume_skips_a_damaged_newest_checkpoint_and_ends_as_if_uninterrupted(
+    damage, tiny_model_dir, uninterrupted, tmp_path, caplog
+):
     run_dir = tmp_path / "run"
     args = ["train", *tiny_overrides(tiny_model_dir, 4), "--run-dir", str(run_dir), "--quiet"]
     assert main(args) == 0  # checkpoints at steps 2 and 4
@@ -75,5 +76,8 @@ def test_every_checkpoint_damaged_is_one_line_and_nothing_deleted(tiny_model_dir
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no intact checkpoint" in err and "--no-resume" in err
-    assert sorted(p.name for p in (run_dir / "checkpoints" / DAMAGED_DIR).iterdir()) == ["step-00000002", "step-00000004"]
+    assert sorted(p.name for p in (run_dir / "checkpoints" / DAMAGED_DIR).iterdir()) == [
+        "step-00000002",
+        "step-00000004",
+    ]
     assert (run_dir / "metrics.jsonl").read_text() == rows  # the run's history is untouched

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from launch import free_port, launch, launch_machines
+
 from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
 from spotlight.distributed import DataParallel
@@ -37,16 +37,28 @@ def dp_overrides(model_dir: Path, iterations: int) -> list[str]:
     iterations by asking for 2, and the cooldown follows num_iterations.
     """
     return [
-        f"model.path={model_dir}", "model.height=32", "model.width=32",
-        "sample.num_steps=3", "sample.eval_num_steps=3", "sample.batch_size=2",
-        f"train.num_iterations={iterations}", "train.prompts_per_iteration=3", "train.group_size=4",
-        "train.minibatch_size=4", "train.num_threads=1", "train.lr=1e-4", "train.lr_warmup_steps=0", "train.lr_cooldown=0",
-        "reward.weights.shapes=0.0", "reward.weights.jpeg_compressibility=1.0",
-        "log.checkpoint_every=2", "log.images_every=2", "eval.every=3", "eval.num_seeds=1", "data.num_heldout=8",
-    ]  # fmt: skip
-
-
-
+        f"model.path={model_dir}",
+        "model.height=32",
+        "model.width=32",
+        "sample.num_steps=3",
+        "sample.eval_num_steps=3",
+        "sample.batch_size=2",
+        f"train.num_iterations={iterations}",
+        "train.prompts_per_iteration=3",
+        "train.group_size=4",
+        "train.minibatch_size=4",
+        "train.num_threads=1",
+        "train.lr=1e-4",
+        "train.lr_warmup_steps=0",
+        "train.lr_cooldown=0",
+        "reward.weights.shapes=0.0",
+        "reward.weights.jpeg_compressibility=1.0",
+        "log.checkpoint_every=2",
+        "log.images_every=2",
+        "eval.every=3",
+        "eval.num_seeds=1",
+        "data.num_heldout=8",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -122,7 +134,9 @@ def test_two_machines_match_one_process_and_a_run_dir_they_do_not_share_is_named
         torch.set_num_threads(threads)
 
     for iterations in (2, 3):
-        procs = launch_machines(CPU_2PROC, machines, "train", *dp_overrides(tiny_model_dir, iterations), "--run-dir", str(shared))
+        procs = launch_machines(
+            CPU_2PROC, machines, "train", *dp_overrides(tiny_model_dir, iterations), "--run-dir", str(shared)
+        )
         assert [p.returncode for p in procs] == [0, 0], procs[0].stderr[-2000:] + procs[1].stderr[-2000:]
     assert "data parallel: 2 processes on cpu, 6 of 12 samples on rank 0" in procs[0].stdout
     assert "resuming from" in procs[0].stdout and "(iteration 2)" in procs[0].stdout
@@ -137,10 +151,14 @@ def test_two_machines_match_one_process_and_a_run_dir_they_do_not_share_is_named
 
     # The same run, in a directory on machine 0's disk only.
     shutil.copytree(shared, machines[0] / "run")
-    procs = launch_machines(CPU_2PROC, machines, "train", *dp_overrides(tiny_model_dir, 4), "--run-dir", "run", timeout=180)
+    procs = launch_machines(
+        CPU_2PROC, machines, "train", *dp_overrides(tiny_model_dir, 4), "--run-dir", "run", timeout=180
+    )
     assert all(p.returncode != 0 for p in procs)
     for p in procs:
-        assert "rank(s) [1] of 2 cannot read the checkpoint" in p.stderr and "step-00000003" in p.stderr, p.stderr[-2000:]
+        assert "rank(s) [1] of 2 cannot read the checkpoint" in p.stderr and "step-00000003" in p.stderr, p.stderr[
+            -2000:
+        ]
     assert not (machines[1] / "run").exists()  # rank 1 writes nothing to a run dir
     assert load_checkpoint(machines[0] / "run").step == 3
 
@@ -151,7 +169,9 @@ def test_two_machines_match_one_process_and_a_run_dir_they_do_not_share_is_named
     data = bytearray(damaged.read_bytes())
     data[-1] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    procs = launch_machines(CPU_2PROC, machines, "train", *dp_overrides(tiny_model_dir, 4), "--run-dir", "run", timeout=180)
+    procs = launch_machines(
+        CPU_2PROC, machines, "train", *dp_overrides(tiny_model_dir, 4), "--run-dir", "run", timeout=180
+    )
     assert all(p.returncode != 0 for p in procs)
     for p in procs:
         assert "rank(s) [1] of 2 cannot read the checkpoint" in p.stderr, p.stderr[-2000:]

@@ -101,7 +101,7 @@ def cfg(tmp_path_factory):
         "model": {"path": str(folder), "height": 24, "width": 40, "max_text_tokens": 16},
         "sample": {"num_steps": NUM_STEPS, "noise_level": 0.7, "autocast": "none"},
         "train": {"objective": "flow_grpo"},
-    }  # fmt: skip
+    }
     return from_dict(DiTRecipe, data)
 
 
@@ -135,9 +135,10 @@ def pool(cluster, cfg, policy, tmp_path_factory):
     store_dir = tmp_path_factory.mktemp("weights-store")
     publish_weights(open_store(store_dir), 0, trainable_state(policy))
     p = WorkerPool(
-        partial(DiTRunner, cfg), sp_degree=4,
+        partial(DiTRunner, cfg),
+        sp_degree=4,
         worker_kwargs={"commit_every": COMMIT_EVERY, "step_s": 0.05, "poll_s": 0.01},
-    )  # fmt: skip
+    )
     try:
         p.wait_ready(4, timeout_s=120)  # one per slot of the node
         how = p.load_weights(p.alive(), 0, store_url=str(store_dir))
@@ -173,7 +174,11 @@ def make_jobs(n: int, first_id: int) -> list[Job]:
     from spotlight.jobs import RolloutJob
 
     return [
-        Job(i, RolloutJob([PROMPTS[i % len(PROMPTS)]], [500 + i], list(range(NUM_STEPS)), [NUM_STEPS]), num_steps=NUM_STEPS)
+        Job(
+            i,
+            RolloutJob([PROMPTS[i % len(PROMPTS)]], [500 + i], list(range(NUM_STEPS)), [NUM_STEPS]),
+            num_steps=NUM_STEPS,
+        )
         for i in range(first_id, first_id + n)
     ]
 

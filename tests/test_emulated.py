@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_explore import check_selection, read_log, tiny_recipe
 
 import spotlight.jobs
 from spotlight.emulated import EmulatedExplorers
 from spotlight.explore import ExploreJob, ExploreResult
 from spotlight.tracking import read_metrics
-from test_explore import check_selection, read_log, tiny_recipe
 
 
 class FakeClock:
@@ -59,12 +59,21 @@ class FakeRunner:
 
     def output(self, state):
         job = state.job
-        return ExploreResult(job.iteration, self.version, job.slots, job.candidates, [0.5] * len(job.seeds),
-                             busy_s=self.busy[job.seeds[0]], complete=True)  # fmt: skip
+        return ExploreResult(
+            job.iteration,
+            self.version,
+            job.slots,
+            job.candidates,
+            [0.5] * len(job.seeds),
+            busy_s=self.busy[job.seeds[0]],
+            complete=True,
+        )
 
 
 def job(seed: int, version: int = 0) -> ExploreJob:
-    return ExploreJob(iteration=version + 1, version=version, prompts=["a"], slots=[0], candidates=[0], seeds=[seed], sde_steps=[])
+    return ExploreJob(
+        iteration=version + 1, version=version, prompts=["a"], slots=[0], candidates=[0], seeds=[seed], sde_steps=[]
+    )
 
 
 @pytest.fixture()
@@ -93,7 +102,7 @@ def test_a_job_longer_than_its_window_comes_back_late_and_the_wait_is_not_traine
 
 
 def test_inline_polls_take_everything_and_cancelled_jobs_never_run(fake_pool):
-    pool, clock = fake_pool
+    pool, _clock = fake_pool
     pool.publish(0, lambda: {"w": torch.ones(1)})
     a, b, c = pool.submit(job(1)), pool.submit(job(2)), pool.submit(job(3))
     pool.cancel([c])
@@ -103,7 +112,9 @@ def test_inline_polls_take_everything_and_cancelled_jobs_never_run(fake_pool):
         pool.submit(job(1, version=3))
 
 
-def test_stale_exploration_on_emulated_nodes_selects_without_ray_and_leaves_the_wait_out(tiny_model_dir, tmp_path, monkeypatch):
+def test_stale_exploration_on_emulated_nodes_selects_without_ray_and_leaves_the_wait_out(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     """A real tiny run: the explorers' jobs run in the trainer's process on the real runner, the
     selected groups are the rule's choice among stale (staleness 1) candidates, and the waits are
     in time/emulated_explore_s, not in time/iteration_s."""
@@ -131,7 +142,13 @@ def test_stale_exploration_on_emulated_nodes_selects_without_ray_and_leaves_the_
     waited = [r for r in rows if r["time/emulated_explore_s"] > 1.0]
     assert waited, "no window ran on the emulated nodes"
     for r in rows:
-        work = r["time/rollout_s"] + r["time/reward_s"] + r["time/update_s"] + r["time/explore_s"] - r["time/emulated_explore_s"]
+        work = (
+            r["time/rollout_s"]
+            + r["time/reward_s"]
+            + r["time/update_s"]
+            + r["time/explore_s"]
+            - r["time/emulated_explore_s"]
+        )
         assert r["time/iteration_s"] <= work + 0.5, r
         assert r["time/explore_s"] >= r["time/emulated_explore_s"]
     for r, row in zip(rows, log):
@@ -165,7 +182,16 @@ def test_cheap_exploration_scores_the_same_seeds_with_fewer_steps(tiny_model_dir
     expected, full = [], []
     for lo in (0, 2):  # the explorer's chunks of explore.batch_size
         for schedule, out in ((sigmas, expected), (runner.sigmas, full)):
-            ro = rollout(runner.policy, prompts[lo : lo + 2], seeds[lo : lo + 2], schedule, noise_level=0.0, sde_steps=[], batch_size=2, autocast=autocast)
+            ro = rollout(
+                runner.policy,
+                prompts[lo : lo + 2],
+                seeds[lo : lo + 2],
+                schedule,
+                noise_level=0.0,
+                sde_steps=[],
+                batch_size=2,
+                autocast=autocast,
+            )
             out += reward_fn(ro.images, prompts[lo : lo + 2]).total_B.tolist()
     assert cheap == pytest.approx(expected, abs=1e-6)
     assert cheap != pytest.approx(full, abs=1e-6)  # two steps are not the rollout's three

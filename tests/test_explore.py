@@ -31,9 +31,9 @@ from spotlight.config_io import from_dict
 from spotlight.explore import (
     LOG_FILE,
     BudgetModel,
+    Exploration,
     ExploreJob,
     ExploreResult,
-    Exploration,
     candidate_seeds,
     choose_groups,
     exploration_budget,
@@ -62,7 +62,7 @@ def test_candidates_extend_the_default_seeds_and_plan_iteration_is_pure():
     prompts = [f"prompt {i}" for i in range(20)]
     later = plan_iteration(cfg, prompts, 6)  # the next batch is planned during the current iteration
     for k in (5, 6):
-        batch, seeds, _ = plan_iteration(cfg, prompts, k)
+        _batch, seeds, _ = plan_iteration(cfg, prompts, k)
         for p in range(3):
             cands = candidate_seeds(cfg.train.seed, k, p, 12)
             assert cands[:4] == seeds[p * 4 : (p + 1) * 4]
@@ -96,13 +96,25 @@ def test_budget_is_step_time_times_throughput_with_flagged_guesses():
     assert exploration_budget(0.0, 10.0, 2, 0.8) == 0
     bm = BudgetModel(ema=0.5)
     b = bm.budget(2, 0.8, rollout_s=3.0, guess_samples_per_s=5.0)  # nothing measured: half the rollout time
-    assert (b.num_samples, b.update_s, b.samples_per_s, b.guessed_update, b.guessed_throughput) == (12, 1.5, 5.0, True, True)
+    assert (b.num_samples, b.update_s, b.samples_per_s, b.guessed_update, b.guessed_throughput) == (
+        12,
+        1.5,
+        5.0,
+        True,
+        True,
+    )
     bm.observe_update(3.0)
     bm.observe_update(1.0)
     bm.observe_explorer(20, 2.0)
     bm.observe_explorer(0, 1.0)  # nothing scored: no throughput evidence
     b = bm.budget(3, 0.5, rollout_s=9.0, guess_samples_per_s=99.0)
-    assert (b.update_s, b.samples_per_s, b.num_samples, b.guessed_update, b.guessed_throughput) == (2.0, 10.0, 30, False, False)
+    assert (b.update_s, b.samples_per_s, b.num_samples, b.guessed_update, b.guessed_throughput) == (
+        2.0,
+        10.0,
+        30,
+        False,
+        False,
+    )
     again = BudgetModel(ema=0.5)
     again.load_state_dict(json.loads(json.dumps(bm.state_dict())))
     assert again.budget(3, 0.5, rollout_s=9.0, guess_samples_per_s=99.0) == b
@@ -117,7 +129,9 @@ def test_a_local_cluster_that_oversubscribes_the_cpus_is_named(caplog):
     with caplog.at_level("WARNING"):
         msg = warn_if_cpus_oversubscribed(cfg, num_cpus=2)
     assert msg is not None and msg in caplog.text
-    assert "2 torch thread(s)" in msg and "2 spot worker(s)" in msg and "train.num_threads=1 runtime.spot_nodes=1" in msg
+    assert (
+        "2 torch thread(s)" in msg and "2 spot worker(s)" in msg and "train.num_threads=1 runtime.spot_nodes=1" in msg
+    )
     cfg.train.num_threads, cfg.runtime.spot_nodes = 1, 1
     assert warn_if_cpus_oversubscribed(cfg, num_cpus=2) is None
     assert warn_if_cpus_oversubscribed(cfg, num_cpus=1) is not None
@@ -144,10 +158,16 @@ def test_choose_groups_selects_by_rule_and_names_fallback_causes():
     G = 2
     counts = [5, 5, 5, 0, 5, 5]
     r0 = [0.1, 0.9, 0.5, 0.0, 0.7]
-    results = [_result([0] * 5, list(range(5)), r0), _result([1, 1], [0, 1], [0.0, 1.0]), _result([5] * 4, [1, 2, 3, 4], [0.2, 0.3, 0.1, 0.8])]
+    results = [
+        _result([0] * 5, list(range(5)), r0),
+        _result([1, 1], [0, 1], [0.0, 1.0]),
+        _result([5] * 4, [1, 2, 3, 4], [0.2, 0.3, 0.1, 0.8]),
+    ]
     dead = ExploreJob(4, 3, ["c"] * 5, [2] * 5, list(range(5)), [0] * 5, [0])
     late = ExploreJob(4, 3, ["e"] * 5, [4] * 5, list(range(5)), [0] * 5, [0])
-    out = choose_groups(counts, results, [(dead, "died"), (late, "late")], group_size=G, rule="extremes", run_seed=0, iteration=4)
+    out = choose_groups(
+        counts, results, [(dead, "died"), (late, "late")], group_size=G, rule="extremes", run_seed=0, iteration=4
+    )
     assert out[0].chosen == [1, 3] == select_contrast(r0, G)  # the top and the bottom candidate
     assert out[1].chosen is None and out[1].cause == "partial"  # only G scored: nothing to choose
     assert (out[2].cause, out[3].cause, out[4].cause) == ("died", None, "late")
@@ -155,10 +175,18 @@ def test_choose_groups_selects_by_rule_and_names_fallback_causes():
     assert out[5].chosen == [3, 4]  # candidate indices, not positions: candidate 0 never came back
     m = selection_metrics(out, G)
     assert m["explore/prompts_planned"] == 5 and m["explore/prompts_selected"] == 2
-    assert (m["explore/fallback_died"], m["explore/fallback_late"], m["explore/fallback_partial"], m["explore/fallback_error"]) == (1, 1, 1, 0)
+    assert (
+        m["explore/fallback_died"],
+        m["explore/fallback_late"],
+        m["explore/fallback_partial"],
+        m["explore/fallback_error"],
+    ) == (1, 1, 1, 0)
     assert m["explore/var_selected_stale"] == pytest.approx(np.mean([np.var([0.9, 0.0]), np.var([0.1, 0.8])]))
     assert m["explore/var_default_stale"] == pytest.approx(np.var([0.1, 0.9]))  # prompt 5 lacks candidate 0
-    rand = [choose_groups(counts, results, [], group_size=G, rule="random", run_seed=0, iteration=4)[0].chosen for _ in range(2)]
+    rand = [
+        choose_groups(counts, results, [], group_size=G, rule="random", run_seed=0, iteration=4)[0].chosen
+        for _ in range(2)
+    ]
     assert rand[0] == rand[1] and len(set(rand[0])) == G
 
 
@@ -168,10 +196,16 @@ def test_choose_groups_selects_by_rule_and_names_fallback_causes():
         ({"explore": {"mode": "x"}}, "explore.mode: expected one of 'none', 'inline', 'stale'"),
         ({"explore": {"planner": "oracle"}}, "explore.planner: expected one of"),
         ({"explore": {"selection": "top"}}, "explore.selection: expected one of 'extremes', 'random'"),
-        ({"explore": {"max_candidates": 4}, "train": {"group_size": 4}}, "explore.max_candidates=4 must be > train.group_size=4"),
+        (
+            {"explore": {"max_candidates": 4}, "train": {"group_size": 4}},
+            "explore.max_candidates=4 must be > train.group_size=4",
+        ),
         ({"explore": {"budget_fraction": 0}}, "explore: budget_fraction must be in (0, 1]"),
         ({"explore": {"planner_family": "counts"}}, "explore.planner_family: unknown family 'counts'"),
-        ({"explore": {"planner_family": "matches:[a-"}}, "explore.planner_family: family 'matches:[a-': the regex does not compile"),
+        (
+            {"explore": {"planner_family": "matches:[a-"}},
+            "explore.planner_family: family 'matches:[a-': the regex does not compile",
+        ),
     ],
 )
 def test_explore_config_errors_name_the_field(override, message):
@@ -207,14 +241,18 @@ def tiny_recipe(model_dir: Path, mode: str, ray_address: str = "", **explore) ->
         "sample": {"num_steps": 3, "batch_size": 16},
         "reward": {"weights": {"jpeg_compressibility": 1.0}},
         "train": {
-            "num_iterations": 3, "prompts_per_iteration": 2, "group_size": 4, "num_inner_epochs": 4,
-            "minibatch_size": 2, "max_minutes": 0,
+            "num_iterations": 3,
+            "prompts_per_iteration": 2,
+            "group_size": 4,
+            "num_inner_epochs": 4,
+            "minibatch_size": 2,
+            "max_minutes": 0,
         },
         "log": {"wandb_mode": "disabled", "images_every": 0, "checkpoint_every": 3},
         "data": {"num_heldout": 8},
         "explore": {"mode": mode, "planner": "uniform", "max_candidates": 8, "budget_fraction": 1.0, **explore},
         "runtime": {"ray_address": ray_address},
-    }  # fmt: skip
+    }
     return from_dict(DiTRecipe, data)
 
 
@@ -242,17 +280,43 @@ def test_stale_mode_from_the_cli(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     cfg = tiny_recipe(tiny_model_dir, "stale")
     overrides = [
-        f"model.path={tiny_model_dir}", "sample.num_steps=3", "sample.batch_size=16", "train.num_iterations=4",
-        "train.prompts_per_iteration=2", "train.group_size=4", "train.num_inner_epochs=4", "train.minibatch_size=2",
+        f"model.path={tiny_model_dir}",
+        "sample.num_steps=3",
+        "sample.batch_size=16",
+        "train.num_iterations=4",
+        "train.prompts_per_iteration=2",
+        "train.group_size=4",
+        "train.num_inner_epochs=4",
+        "train.minibatch_size=2",
         "reward.weights={jpeg_compressibility: 1.0}",
-        "train.max_minutes=0", "log.wandb_mode=disabled", "log.images_every=0",
-        "log.checkpoint_every=4", "data.num_heldout=8", "explore.mode=stale", "explore.planner=uniform",
-        "explore.max_candidates=8", "explore.budget_fraction=1.0", "explore.fixed_budget=8",
-    ]  # fmt: skip
+        "train.max_minutes=0",
+        "log.wandb_mode=disabled",
+        "log.images_every=0",
+        "log.checkpoint_every=4",
+        "data.num_heldout=8",
+        "explore.mode=stale",
+        "explore.planner=uniform",
+        "explore.max_candidates=8",
+        "explore.budget_fraction=1.0",
+        "explore.fixed_budget=8",
+    ]
     proc = subprocess.run(
-        [sys.executable, "-m", "spotlight.cli", "train", "configs/dit/tiny-shapes.yaml", *overrides, "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=240, cwd=REPO, env=dict(os.environ, WANDB_MODE="disabled"),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "spotlight.cli",
+            "train",
+            "configs/dit/tiny-shapes.yaml",
+            *overrides,
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env=dict(os.environ, WANDB_MODE="disabled"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 spot group(s) explore" in proc.stdout
     rows, log = read_metrics(run_dir), read_log(run_dir)
@@ -296,10 +360,16 @@ def test_mode_none_is_plain_grpo_and_never_imports_ray(tiny_model_dir, tmp_path,
         "model": {"path": str(tiny_model_dir), "height": 32, "width": 32},
         "sample": {"num_steps": 3, "autocast": "none"},
         "reward": {"weights": {"jpeg_compressibility": 1.0}},  # varies per seed: every group trains
-        "train": {"num_iterations": 1, "prompts_per_iteration": 2, "group_size": 4, "minibatch_size": 4, "max_minutes": 0},
+        "train": {
+            "num_iterations": 1,
+            "prompts_per_iteration": 2,
+            "group_size": 4,
+            "minibatch_size": 4,
+            "max_minutes": 0,
+        },
         "log": {"wandb_mode": "disabled", "images_every": 0},
         "data": {"num_heldout": 8},
-    }  # fmt: skip
+    }
     cfg = from_dict(DiTRecipe, data)
     monkeypatch.setitem(sys.modules, "ray", None)  # any `import ray` now raises ImportError
     run_training(cfg, tmp_path, progress=False)
@@ -423,7 +493,10 @@ def test_with_the_rollout_on_the_cluster_the_budget_predicts_the_time_after_it(t
     after = [r["time/reward_s"] + r["time/update_s"] for r in rows]
     predicted = rows[3]["explore/predicted_update_s"]
     launch = 0.5 * (rows[0]["time/explore_s"] + rows[1]["time/explore_s"])  # the launch is part of each window
-    assert 0.5 * (after[0] + after[1]) <= predicted <= 0.5 * (after[0] + after[1]) + launch + 0.25, (predicted, rows[:2])
+    assert 0.5 * (after[0] + after[1]) <= predicted <= 0.5 * (after[0] + after[1]) + launch + 0.25, (
+        predicted,
+        rows[:2],
+    )
     assert predicted < 0.5 * after[0] + 0.5 * (rows[1]["time/rollout_s"] + after[1])  # the "iteration" window's
 
 
@@ -468,7 +541,9 @@ def test_a_budget_too_small_for_one_prompt_probes_and_recovers(tiny_model_dir, r
     assert rows[k + 1]["explore/prompts_selected"] > 0
 
 
-def test_an_explorer_killed_mid_window_loses_only_its_steps_since_the_last_commit(tiny_model_dir, ray_address, tmp_path, monkeypatch):
+def test_an_explorer_killed_mid_window_loses_only_its_steps_since_the_last_commit(
+    tiny_model_dir, ray_address, tmp_path, monkeypatch
+):
     """Exploration jobs run on the runtime: the worker running one is killed mid-job; the job resumes
     from its last commit on the other spot worker, its scores come back, the dead worker is replaced,
     and the preempted work shows in the metrics."""
@@ -487,7 +562,11 @@ def test_an_explorer_killed_mid_window_loses_only_its_steps_since_the_last_commi
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # until a worker is past a commit of one of the window's jobs
             leases = ray.get(runtime.queue.snapshot.remote())["leases"]
-            hit = [(job, group) for job, group, _, committed, progress in leases if job in self._window.handles and committed > 0 and progress > committed]
+            hit = [
+                (job, group)
+                for job, group, _, committed, progress in leases
+                if job in self._window.handles and committed > 0 and progress > committed
+            ]
             if hit:
                 break
             time.sleep(0.005)
@@ -514,7 +593,9 @@ def test_an_explorer_killed_mid_window_loses_only_its_steps_since_the_last_commi
     assert rows[it]["explore/explorer_deaths"] == 1
     assert rows[it + 1]["explore/fallback_late"] == 0 and rows[it + 1]["explore/prompts_selected"] > 0
     assert rows[it]["runtime/explore_leases_revoked_total"] >= 1
-    assert 1 <= rows[it]["runtime/explore_steps_recomputed_total"] <= 2  # the step past the commit, and the one in flight
+    assert (
+        1 <= rows[it]["runtime/explore_steps_recomputed_total"] <= 2
+    )  # the step past the commit, and the one in flight
     assert rows[it]["runtime/explore_jobs_resumed_total"] >= 1
     assert rows[-1]["explore/explorer_respawns_total"] >= 1
 
@@ -554,7 +635,12 @@ def test_time_to_target_takes_the_run_clock_at_the_first_evaluation_at_the_targe
         "oracle": [run(5, 90.0), run(8, 99.0), run(6, 60.0)],
     }
     out = module.figures(runs, [4])
-    assert out["iterations_ratio_none_over_stale"] == {"median": 1.5, "range": [1.0, 2.0], "per_seed": [2.0, 1.0, None], "unreached": 1}
+    assert out["iterations_ratio_none_over_stale"] == {
+        "median": 1.5,
+        "range": [1.0, 2.0],
+        "per_seed": [2.0, 1.0, None],
+        "unreached": 1,
+    }
     assert out["oracle_iterations_ratio_none_over_oracle"]["per_seed"] == [4.0, 2.0, None]
     assert out["wall_ratio_none_all_cores_over_stale"]["per_seed"] == [0.8, 0.588, 2.5]
     assert out["emulated_spot_nodes"] == 4 and out["staleness"] == 1.0
@@ -571,8 +657,15 @@ def test_explore_window_benchmark_compares_the_windows_after_the_first_two_itera
     def rows(scored, selected, late=0):
         out = [{"time/iteration_s": 99.0}, {"time/iteration_s": 99.0, "explore/candidates_scored": 999}]
         for s in scored:
-            out.append({"time/iteration_s": 10.0, "explore/candidates_scored": s, "explore/candidates_planned": s,
-                        "explore/prompts_selected": selected, "explore/fallback_late": late})  # fmt: skip
+            out.append(
+                {
+                    "time/iteration_s": 10.0,
+                    "explore/candidates_scored": s,
+                    "explore/candidates_planned": s,
+                    "explore/prompts_selected": selected,
+                    "explore/fallback_late": late,
+                }
+            )
         return out
 
     update = module.summarize_run(rows([100, 200], 2, late=1))
@@ -593,17 +686,37 @@ def test_spot_training_benchmark_takes_the_critical_path_ratio_per_pair():
 
     def rows(iteration_s: float, lost: int = 0, selected: float = 0.0) -> list[dict]:
         last = {
-            "runtime/rollout_jobs_submitted_total": 10, "runtime/rollout_jobs_done_total": 10 - lost,
-            "runtime/explore_jobs_submitted_total": 6, "runtime/explore_jobs_done_total": 4,
-            "runtime/explore_jobs_cancelled_total": 2, "runtime/explore_leases_revoked_total": 1,
+            "runtime/rollout_jobs_submitted_total": 10,
+            "runtime/rollout_jobs_done_total": 10 - lost,
+            "runtime/explore_jobs_submitted_total": 6,
+            "runtime/explore_jobs_done_total": 4,
+            "runtime/explore_jobs_cancelled_total": 2,
+            "runtime/explore_leases_revoked_total": 1,
             "runtime/explore_steps_recomputed_total": 3,
-        }  # fmt: skip
-        return [{"time/iteration_s": 99.0, "time/update_s": 1.0, "time/rollout_s": 1.0, "explore/prompts_selected": selected}] * 2 + [
-            {"time/iteration_s": iteration_s, "time/update_s": 1.0, "time/rollout_s": 1.0, "explore/prompts_selected": selected, **last}
-        ] * 3  # fmt: skip
+        }
+        return [
+            {
+                "time/iteration_s": 99.0,
+                "time/update_s": 1.0,
+                "time/rollout_s": 1.0,
+                "explore/prompts_selected": selected,
+            }
+        ] * 2 + [
+            {
+                "time/iteration_s": iteration_s,
+                "time/update_s": 1.0,
+                "time/rollout_s": 1.0,
+                "explore/prompts_selected": selected,
+                **last,
+            }
+        ] * 3
 
     names = [("explore_none", "explore"), ("explore_none1", "explore1"), ("explore_none2", "explore2")]
-    pairs = [(rows(10.0), rows(10.4, selected=2)), (rows(20.0), rows(19.0, selected=1)), (rows(10.0), rows(12.0, lost=1, selected=3))]
+    pairs = [
+        (rows(10.0), rows(10.4, selected=2)),
+        (rows(20.0), rows(19.0, selected=1)),
+        (rows(10.0), rows(12.0, lost=1, selected=3)),
+    ]
     out = module.explore_figures(names, pairs, ["runtime.local_cluster_cpus=1"], Path("/runs"))
     assert out["critical_path_ratio_pairs"] == [1.04, 0.95, 1.2]
     assert out["critical_path_ratio_stale_over_none"] == 1.04 and out["critical_path_ratio_range"] == [0.95, 1.2]

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli import tiny_overrides
 
 from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
-from test_cli import tiny_overrides
 
 JPEG = "reward.weights={jpeg_compressibility: 1.0}"  # varies per seed: every group trains
 
@@ -54,7 +54,15 @@ def trained_dit_velocity(run_dir: Path, tiny_model_dir) -> torch.Tensor:
     from spotlight.policy import load_policy, load_trainable_state
 
     ckpt = load_checkpoint(run_dir)
-    cfg = load_config(DiTRecipe, None, [f"model.path={tiny_model_dir}", f"model.lora_rank={ckpt.meta['lora_rank']}", f"model.lora_alpha={ckpt.meta['lora_alpha']}"])
+    cfg = load_config(
+        DiTRecipe,
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            f"model.lora_rank={ckpt.meta['lora_rank']}",
+            f"model.lora_alpha={ckpt.meta['lora_alpha']}",
+        ],
+    )
     policy = load_policy(cfg.model, trainable=False)
     load_trainable_state(policy, ckpt.tensors["trainable"])
     return dit_velocity(policy.transformer, tiny_model_dir)
@@ -67,11 +75,15 @@ def test_a_dit_lora_loads_with_diffusers_load_lora_weights(dit_runs, tiny_model_
     assert summary["format"] == "diffusers-lora" and summary["lora_rank"] == 4
     assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["pytorch_lora_weights.safetensors"]
     base = QwenImageTransformer2DModel.from_pretrained(tiny_model_dir / "transformer")
-    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None, transformer=base)
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None, transformer=base
+    )
     untrained = dit_velocity(pipe.transformer, tiny_model_dir)
     pipe.load_lora_weights(tmp_path / "lora")  # diffusers' own loader
     ours = trained_dit_velocity(dit_runs["lora"], tiny_model_dir)
-    assert not torch.allclose(ours, untrained, atol=1e-5)  # the adapter changed the model: the comparison means something
+    assert not torch.allclose(
+        ours, untrained, atol=1e-5
+    )  # the adapter changed the model: the comparison means something
     torch.testing.assert_close(dit_velocity(pipe.transformer, tiny_model_dir), ours, rtol=1e-5, atol=1e-6)
 
 
@@ -83,7 +95,9 @@ def test_a_dit_exports_as_a_diffusers_transformer(run, dit_runs, tiny_model_dir,
     assert summary["format"] == "diffusers"
     loaded = QwenImageTransformer2DModel.from_pretrained(tmp_path / "transformer")
     assert not getattr(loaded, "peft_config", None)  # the adapter is merged into the weights
-    torch.testing.assert_close(dit_velocity(loaded, tiny_model_dir), trained_dit_velocity(dit_runs[run], tiny_model_dir), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        dit_velocity(loaded, tiny_model_dir), trained_dit_velocity(dit_runs[run], tiny_model_dir), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_export_mistakes_are_one_line(dit_runs, tmp_path, capsys):
@@ -115,7 +129,18 @@ def vlm_runs(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("vlm") / "base"
     # As test_vlm_train's base: it answers in the format, so groups get reward variance and train.
-    cfg = load_config(WarmStartRecipe, None, ["num_steps=25", "vision_pretrain_steps=20", "batch_size=16", "lr=1e-2", *[f"task.{k}={v}" for k, v in TASK.items()], *[f"model.{k}={v}" for k, v in SPEC.items()]])
+    cfg = load_config(
+        WarmStartRecipe,
+        None,
+        [
+            "num_steps=25",
+            "vision_pretrain_steps=20",
+            "batch_size=16",
+            "lr=1e-2",
+            *[f"task.{k}={v}" for k, v in TASK.items()],
+            *[f"model.{k}={v}" for k, v in SPEC.items()],
+        ],
+    )
     warm_start(cfg, base, progress=False)
     runs = {"base": base}
     for name, extra in {"lora": ["model.lora_rank=4", "model.lora_alpha=8"], "full": []}.items():
@@ -126,10 +151,10 @@ def vlm_runs(tmp_path_factory):
 
 def vlm_logits(model, processor_folder: Path) -> torch.Tensor:
     """Logits of a fixed (image, question) prompt under `model`, through our policy's encoder."""
+    from test_vlm_train import TASK
+
     from vlm.policy import VLMPolicy
     from vlm.task import TaskConfig, example_image, heldout_examples
-
-    from test_vlm_train import TASK
 
     policy = VLMPolicy.load(processor_folder)
     task = TaskConfig(**TASK)
@@ -140,11 +165,11 @@ def vlm_logits(model, processor_folder: Path) -> torch.Tensor:
 
 
 def trained_vlm_logits(run_dir: Path, base: Path) -> torch.Tensor:
+    import yaml
+
     from spotlight.config_io import load_config
     from vlm.config import VLMRecipe
     from vlm.policy import load_policy, load_trainable_state
-
-    import yaml
 
     ckpt = load_checkpoint(run_dir)
     cfg = load_config(VLMRecipe, base=yaml.safe_load(ckpt.config_yaml))
@@ -174,8 +199,15 @@ def test_a_vlm_lora_exports_as_a_peft_adapter(vlm_runs, tmp_path, capsys):
     summary = export(capsys, vlm_runs["lora"], tmp_path / "adapter", "--format", "peft")
     assert summary["format"] == "peft"
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
-    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(vlm_runs["base"]), tmp_path / "adapter")
-    torch.testing.assert_close(vlm_logits(model, vlm_runs["base"]), trained_vlm_logits(vlm_runs["lora"], vlm_runs["base"]), rtol=1e-5, atol=1e-5)
+    model = PeftModel.from_pretrained(
+        AutoModelForImageTextToText.from_pretrained(vlm_runs["base"]), tmp_path / "adapter"
+    )
+    torch.testing.assert_close(
+        vlm_logits(model, vlm_runs["base"]),
+        trained_vlm_logits(vlm_runs["lora"], vlm_runs["base"]),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     capsys.readouterr()
     assert main(["export", str(vlm_runs["full"]), "--to", str(tmp_path / "x"), "--format", "peft"]) == 2
     assert "no LoRA" in capsys.readouterr().err

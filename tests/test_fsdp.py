@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import cpu_fsdp_config, launch
+
 from spotlight.checkpoint import load_checkpoint
 from spotlight.distributed import FSDPSettings
 from spotlight.tracking import read_metrics
@@ -37,14 +37,28 @@ def fsdp_overrides(model_dir: Path, iterations: int) -> list[str]:
     eval (3 prompts x 1 seed) is split 1 and 2, so rank 0 pads its slice too.
     """
     return [
-        f"model.path={model_dir}", "model.height=32", "model.width=32",
-        "sample.num_steps=3", "sample.eval_num_steps=3", "sample.batch_size=1",
-        f"train.num_iterations={iterations}", "train.prompts_per_iteration=3", "train.group_size=3",
-        "train.minibatch_size=2", "train.num_threads=1", "train.ema_decay=0",
-        "train.lr_cooldown=0",  # runs are stopped after 2 iterations by asking for 2; the cooldown follows num_iterations
-        "reward.weights.shapes=0.0", "reward.weights.jpeg_compressibility=1.0",
-        "log.checkpoint_every=2", "log.images_every=2", "eval.every=3", "eval.num_seeds=1", "data.num_heldout=3",
-    ]  # fmt: skip
+        f"model.path={model_dir}",
+        "model.height=32",
+        "model.width=32",
+        "sample.num_steps=3",
+        "sample.eval_num_steps=3",
+        "sample.batch_size=1",
+        f"train.num_iterations={iterations}",
+        "train.prompts_per_iteration=3",
+        "train.group_size=3",
+        "train.minibatch_size=2",
+        "train.num_threads=1",
+        "train.ema_decay=0",
+        # Runs are stopped after 2 iterations by asking for 2; the cooldown follows num_iterations.
+        "train.lr_cooldown=0",
+        "reward.weights.shapes=0.0",
+        "reward.weights.jpeg_compressibility=1.0",
+        "log.checkpoint_every=2",
+        "log.images_every=2",
+        "eval.every=3",
+        "eval.num_seeds=1",
+        "data.num_heldout=3",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -70,14 +84,26 @@ def test_fsdp_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, varia
     config = cpu_fsdp_config(tmp_path / "cpu-fsdp.yaml")
     # The reference in a fresh process (a LoRA adapter's init follows train.seed in every process).
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "spotlight.cli", "train", *fsdp_overrides(tiny_model_dir, 3), *variant, "--run-dir", str(one), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spotlight.cli",
+        "train",
+        *fsdp_overrides(tiny_model_dir, 3),
+        *variant,
+        "--run-dir",
+        str(one),
+        "--quiet",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     proc = launch(config, "train", *fsdp_overrides(tiny_model_dir, 2), *variant, "--run-dir", str(two))
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The parameters were sharded: each rank held half of the transformer's (rows split 2 ways).
-    found = re.search(r"fsdp: transformer sharded over 2 ranks, local parameters \[(\d+), (\d+)\] of (\d+)", proc.stdout)
+    found = re.search(
+        r"fsdp: transformer sharded over 2 ranks, local parameters \[(\d+), (\d+)\] of (\d+)", proc.stdout
+    )
     assert found, proc.stdout[-2000:]
     local0, local1, full = map(int, found.groups())
     assert local0 + local1 == full and abs(local0 - full / 2) <= 0.01 * full, (local0, local1, full)
@@ -108,11 +134,17 @@ def test_fsdp_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, varia
     for i, s in state_one["state"].items():
         torch.testing.assert_close(state_two["state"][i]["exp_avg"], s["exp_avg"], rtol=0, atol=1e-6)
     # The weights moved: the comparison is not between two untrained models.
-    assert any(v.abs().max() > 0 for k, v in ckpt_two.tensors["trainable"].items() if "lora_B" in k) or "model.lora_rank=4" not in variant
+    assert (
+        any(v.abs().max() > 0 for k, v in ckpt_two.tensors["trainable"].items() if "lora_B" in k)
+        or "model.lora_rank=4" not in variant
+    )
     from safetensors.torch import load_file
 
     base = load_file(next((tiny_model_dir / "transformer").glob("*.safetensors")))
-    assert any(not torch.equal(base[k], v) for k, v in ckpt_two.tensors["trainable"].items() if k in base) or "model.lora_rank=4" in variant
+    assert (
+        any(not torch.equal(base[k], v) for k, v in ckpt_two.tensors["trainable"].items() if k in base)
+        or "model.lora_rank=4" in variant
+    )
 
 
 def test_fsdp_launch_with_fsdp_version_1_is_refused(monkeypatch):
@@ -129,15 +161,23 @@ def test_fsdp_launch_with_fsdp_version_1_is_refused(monkeypatch):
 def test_fsdp_settings_from_accelerate_environment():
     """The variables `accelerate launch` exports for configs/accelerate/fsdp.yaml, and the refusals."""
     env = {
-        "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_ACTIVATION_CHECKPOINTING": "true",
-        "FSDP_TRANSFORMER_CLS_TO_WRAP": "QwenImageTransformerBlock", "FSDP_OFFLOAD_PARAMS": "false",
+        "FSDP_VERSION": "2",
+        "FSDP_RESHARD_AFTER_FORWARD": "true",
+        "FSDP_ACTIVATION_CHECKPOINTING": "true",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": "QwenImageTransformerBlock",
+        "FSDP_OFFLOAD_PARAMS": "false",
         "ACCELERATE_MIXED_PRECISION": "bf16",
-    }  # fmt: skip
+    }
     s = FSDPSettings.from_env(env)
     assert (s.block_classes, s.reshard_after_forward, s.activation_checkpointing, s.bf16) == (
-        ("QwenImageTransformerBlock",), True, True, True,
-    )  # fmt: skip
-    assert not FSDPSettings.from_env({**env, "FSDP_RESHARD_AFTER_FORWARD": "false", "ACCELERATE_MIXED_PRECISION": "no"}).bf16
+        ("QwenImageTransformerBlock",),
+        True,
+        True,
+        True,
+    )
+    assert not FSDPSettings.from_env(
+        {**env, "FSDP_RESHARD_AFTER_FORWARD": "false", "ACCELERATE_MIXED_PRECISION": "no"}
+    ).bf16
     with pytest.raises(ValueError, match="fsdp_version: 2"):
         FSDPSettings.from_env({**env, "FSDP_VERSION": "1"})
     with pytest.raises(ValueError, match="fsdp_offload_params"):
@@ -171,10 +211,17 @@ def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ra
 
     run = tmp_path / "run"
     overrides = [
-        *fsdp_overrides(tiny_model_dir, 3), "train.lr=1e-3", "log.checkpoint_every=1", "log.keep_last=3",
-        f"explore.mode={mode}", f"runtime.ray_address={ray_address}", "explore.planner=uniform",
-        "explore.max_candidates=6", "explore.budget_fraction=1.0", "explore.batch_size=4",
-    ]  # fmt: skip
+        *fsdp_overrides(tiny_model_dir, 3),
+        "train.lr=1e-3",
+        "log.checkpoint_every=1",
+        "log.keep_last=3",
+        f"explore.mode={mode}",
+        f"runtime.ray_address={ray_address}",
+        "explore.planner=uniform",
+        "explore.max_candidates=6",
+        "explore.budget_fraction=1.0",
+        "explore.batch_size=4",
+    ]
     config = cpu_fsdp_config(tmp_path / "cpu-fsdp.yaml")
     proc = launch(config, "train", *overrides, "--run-dir", str(run), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -206,16 +253,22 @@ def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ra
             cands += done
         prompts = [row["slots"][p]["prompt"] for p in slots]
         job = ExploreJob(
-            iteration=k, version=version, prompts=prompts, slots=slots, candidates=cands,
+            iteration=k,
+            version=version,
+            prompts=prompts,
+            slots=slots,
+            candidates=cands,
             seeds=[derive_seed(cfg.train.seed, k, p, c) for p, c in zip(slots, cands)],
             sde_steps=plan_iteration(cfg, train_prompts, k)[2],
-        )  # fmt: skip
+        )
         logged = [r for slot in row["slots"] for r in slot["stale_rewards"] if r is not None]
         # Version v is the weights after v updates: the checkpoint of step v (v = 0: the base model).
         runner.load_weights(version, base)
         with_base = explore(job).rewards
         if version > 0:
-            runner.load_weights(version, load_checkpoint(run / "checkpoints" / f"step-{version:08d}").tensors["trainable"])
+            runner.load_weights(
+                version, load_checkpoint(run / "checkpoints" / f"step-{version:08d}").tensors["trainable"]
+            )
         with_version = explore(job).rewards
         # JPEG sizes of uint8 images: a pixel may round the other way (sharded vs whole summation).
         assert with_version == pytest.approx(logged, rel=1e-3), (k, version)
@@ -238,9 +291,11 @@ def test_fsdp_gathers_no_weights_when_nothing_is_planned(tiny_model_dir, ray_add
     the weights; the ranks still agree on every collective (the run would hang otherwise)."""
     run = tmp_path / "run"
     overrides = [
-        *fsdp_overrides(tiny_model_dir, 3), f"runtime.ray_address={ray_address}", "explore.mode=stale",
+        *fsdp_overrides(tiny_model_dir, 3),
+        f"runtime.ray_address={ray_address}",
+        "explore.mode=stale",
         "explore.budget_fraction=1e-6",
-    ]  # fmt: skip
+    ]
     proc = launch(cpu_fsdp_config(tmp_path / "cpu-fsdp.yaml"), "train", *overrides, "--run-dir", str(run), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "spot group(s) explore" in proc.stdout and "fsdp: transformer sharded over 2 ranks" in proc.stdout

@@ -25,8 +25,14 @@ FIELDS = {"env", "config", "wall_s", *CPU_CHECKS, *GPU_ONLY}
 
 def run_gpu_check(tmp_path: Path, *args: str, timeout: float) -> dict:
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path))
-    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     log = (tmp_path / "gpu_check.log").read_text() if (tmp_path / "gpu_check.log").is_file() else ""
     assert proc.returncode == 0, proc.stderr + log[-3000:]
     lines = proc.stdout.strip().splitlines()

@@ -169,14 +169,20 @@ def test_nft_adaptive_weighting_scales_each_sample_by_noise_level_over_its_error
 
 
 @pytest.mark.parametrize(
-    "beta,weighting,levels", [(0.0, "flow", "uniform"), (0.1, "flow", "uniform"), (0.0, "adaptive", "uniform"), (0.0, "flow", "stratified")]
+    "beta,weighting,levels",
+    [(0.0, "flow", "uniform"), (0.1, "flow", "uniform"), (0.0, "adaptive", "uniform"), (0.0, "flow", "stratified")],
 )
 def test_nft_update_on_ode_rollouts(tiny_model_dir, beta, weighting, levels):
     """The NFT objective trains on ODE samples (no log-probs) and moves the parameters."""
     from spotlight.policy import load_policy, trainable_state
 
     cfg = _cfg(
-        tiny_model_dir, objective="nft", beta=beta, nft_num_timesteps=2, nft_weighting=weighting, nft_timestep_sampling=levels
+        tiny_model_dir,
+        objective="nft",
+        beta=beta,
+        nft_num_timesteps=2,
+        nft_weighting=weighting,
+        nft_timestep_sampling=levels,
     )
     policy = load_policy(cfg.model)
     trainer = GRPOTrainer(policy, cfg)
@@ -290,7 +296,9 @@ def test_adam_beta2_sets_the_second_moment_decay(tiny_model_dir):
     trainer.update(ro, adv, iteration=0)
     assert len(grads) > len(trainer.params) // 2 and any(g.abs().sum() > 0 for g in grads.values())
     for p, g in grads.items():
-        torch.testing.assert_close(trainer.optimizer.state[p]["exp_avg_sq"], 0.1 * g.square(), rtol=1e-5, atol=0)  # g^2 is tiny
+        torch.testing.assert_close(
+            trainer.optimizer.state[p]["exp_avg_sq"], 0.1 * g.square(), rtol=1e-5, atol=0
+        )  # g^2 is tiny
     with pytest.raises(ValueError, match="train.adam_beta2 must be in \\(0, 1\\), got 1.0"):
         from_dict(DiTRecipe, {"train": {"adam_beta2": 1.0}})
 
@@ -356,7 +364,7 @@ def test_train_autocast_runs_the_nft_update_in_bfloat16_with_float32_weights(tin
         ro = rollout(policy, prompts, list(range(8)), sigmas, noise_level=0.0)
         before = {k: v.clone() for k, v in trainable_state(policy).items()}
         dtypes = seen.setdefault(mode, set())
-        hook = policy.transformer.proj_out.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))
+        hook = policy.transformer.proj_out.register_forward_hook(lambda m, i, o: dtypes.add(o.dtype))  # noqa: B023
         trainer.update(ro, adv, iteration=0)
         hook.remove()
         after = trainable_state(policy)
@@ -376,6 +384,8 @@ def test_train_autocast_auto_and_refusals():
     assert resolve_train_autocast("bfloat16", "cpu", "nft") == "bfloat16"
     assert resolve_train_autocast("none", "cpu", "nft") == "none"
     with pytest.raises(ValueError, match="train.autocast='bfloat16' needs train.objective=nft"):
-        from_dict(DiTRecipe, {"train": {"objective": "flow_grpo", "autocast": "bfloat16"}, "sample": {"noise_level": 1.2}})
+        from_dict(
+            DiTRecipe, {"train": {"objective": "flow_grpo", "autocast": "bfloat16"}, "sample": {"noise_level": 1.2}}
+        )
     with pytest.raises(ValueError, match="train.autocast"):
         from_dict(DiTRecipe, {"train": {"autocast": "float16"}})

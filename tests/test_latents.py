@@ -31,9 +31,14 @@ def test_qwen_image_vae_codec_from_folder(tmp_path):
 
     torch.manual_seed(0)
     vae = AutoencoderKLQwenImage(
-        base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-        latents_mean=[0.1] * 4, latents_std=[2.0] * 4,
-    )  # fmt: skip
+        base_dim=24,
+        z_dim=4,
+        dim_mult=[1, 2, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.1] * 4,
+        latents_std=[2.0] * 4,
+    )
     vae.save_pretrained(tmp_path / "vae")
     codec = load_codec(tmp_path)
     assert isinstance(codec, QwenImageVAECodec) and codec.downsample == 4 and codec.latent_channels == 4

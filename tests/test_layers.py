@@ -35,26 +35,38 @@ ALLOWED: dict[str, frozenset[str]] = {
 
 # Module edges (importer, imported) that break `ALLOWED` today; issue 36 (the core refactor)
 # removes them. No entry may have a `spot` module as the importer.
-KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset({
-    ("spotlight.cli", "vlm.cli"),  # `spotlight vlm ...` adds the VLM subcommands to the one command
-    ("spotlight.plan", "vlm.plan"),  # `spotlight plan` dispatches a VLM recipe to the VLM planner
-})
+KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("spotlight.cli", "vlm.cli"),  # `spotlight vlm ...` adds the VLM subcommands to the one command
+        ("spotlight.plan", "vlm.plan"),  # `spotlight plan` dispatches a VLM recipe to the VLM planner
+    }
+)
 
 # Import cycles (strongly connected modules) that exist today, all outside `spot`; issue 36 (the
 # core refactor) removes them. No entry may hold a `spot` module.
-KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset({
-    # `spotlight vlm` adds vlm.cli's subcommands; `python -m vlm.cli` runs spotlight.cli's main.
-    frozenset({"spotlight.cli", "vlm.cli"}),
-    # spotlight.plan dispatches by recipe kind to plan_dit and vlm.plan, which use its tables.
-    frozenset({"spotlight.plan", "spotlight.plan_dit", "vlm.plan"}),
-    # The reward registry imports the built-in rewards, which register themselves with it.
-    frozenset({"spotlight.rewards", "spotlight.rewards.clip", "spotlight.rewards.geneval",
-               "spotlight.rewards.jpeg", "spotlight.rewards.ocr", "spotlight.rewards.shapes"}),
-    # TaskConfig.validate checks against the task's tables; the task reads its config.
-    frozenset({"vlm.config", "vlm.task"}),
-    # The Rollplex schedule calls train.update; train picks the schedule.
-    frozenset({"vlm.rollplex", "vlm.train"}),
-})
+KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
+    {
+        # `spotlight vlm` adds vlm.cli's subcommands; `python -m vlm.cli` runs spotlight.cli's main.
+        frozenset({"spotlight.cli", "vlm.cli"}),
+        # spotlight.plan dispatches by recipe kind to plan_dit and vlm.plan, which use its tables.
+        frozenset({"spotlight.plan", "spotlight.plan_dit", "vlm.plan"}),
+        # The reward registry imports the built-in rewards, which register themselves with it.
+        frozenset(
+            {
+                "spotlight.rewards",
+                "spotlight.rewards.clip",
+                "spotlight.rewards.geneval",
+                "spotlight.rewards.jpeg",
+                "spotlight.rewards.ocr",
+                "spotlight.rewards.shapes",
+            }
+        ),
+        # TaskConfig.validate checks against the task's tables; the task reads its config.
+        frozenset({"vlm.config", "vlm.task"}),
+        # The Rollplex schedule calls train.update; train picks the schedule.
+        frozenset({"vlm.rollplex", "vlm.train"}),
+    }
+)
 
 PACKAGES = tuple(ALLOWED)
 
@@ -132,7 +144,9 @@ def top(module: str) -> str:
     return module.partition(".")[0]
 
 
-def forbidden_edges(graph: Mapping[str, Iterable[str]], allowed: Mapping[str, frozenset[str]] = ALLOWED) -> set[tuple[str, str]]:
+def forbidden_edges(
+    graph: Mapping[str, Iterable[str]], allowed: Mapping[str, frozenset[str]] = ALLOWED
+) -> set[tuple[str, str]]:
     """Edges (importer, imported) from one package to another that `allowed` does not permit."""
     return {
         (src, dst)
@@ -273,4 +287,6 @@ def test_no_import_cycles():
     graph = repo_graph()
     assert not any(top(m) == "spot" for c in KNOWN_CYCLES for m in c), "spot may have no known cycle"
     problems = cycle_problems(graph)
-    assert not problems, "import cycles (move the shared part into a module both can import):\n  " + "\n  ".join(problems)
+    assert not problems, "import cycles (move the shared part into a module both can import):\n  " + "\n  ".join(
+        problems
+    )

@@ -232,7 +232,10 @@ def test_background_thread_polls_slower_while_unreachable_and_picks_up_the_endpo
     got = []
     attempts = []
     watcher = MetadataWatcher(
-        f"http://127.0.0.1:{port}", poll_interval_s=0.02, unreachable_poll_interval_s=0.3, timeout_s=0.2,
+        f"http://127.0.0.1:{port}",
+        poll_interval_s=0.02,
+        unreachable_poll_interval_s=0.3,
+        timeout_s=0.2,
         callbacks=(got.append,),
     )
     poll_once = watcher.poll_once
@@ -253,8 +256,12 @@ def test_a_miss_after_the_endpoint_answered_is_retried_at_the_normal_interval(ca
     port = _free_port()
     got = []
     watcher = MetadataWatcher(
-        f"http://127.0.0.1:{port}", poll_interval_s=0.02, unreachable_poll_interval_s=60, transient_failures=2,
-        timeout_s=0.2, callbacks=(got.append,),
+        f"http://127.0.0.1:{port}",
+        poll_interval_s=0.02,
+        unreachable_poll_interval_s=60,
+        transient_failures=2,
+        timeout_s=0.2,
+        callbacks=(got.append,),
     )
     assert watcher.poll_once() == [] and watcher.next_interval_s() == 60  # never answered: off EC2
     with FakeIMDS(port=port):
@@ -376,9 +383,21 @@ def test_command_line_watcher_reports_a_notice_and_exits(imds):
     """`python -m spot.metadata` (what configs/cluster/aws-spot.yaml starts on each spot node), without Ray."""
     imds.schedule_interruption(action="stop", lead_s=120.0)
     proc = subprocess.run(
-        [sys.executable, "-m", "spot.metadata", "--endpoint", imds.url, "--poll-s", "0.05", "--no-drain",
-         "--max-notices", "1"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "spot.metadata",
+            "--endpoint",
+            imds.url,
+            "--poll-s",
+            "0.05",
+            "--no-drain",
+            "--max-notices",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "spot interruption notice: stop at" in proc.stderr

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from s3_server import SECRETS, fake_aws_environment, moto_s3
+from test_cli import tiny_overrides
+
 from spot.store import open_store
 from spot.store_base import MANIFEST_NAME
 from spotlight.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from spotlight.mirror import CheckpointMirror
-from test_cli import tiny_overrides
 
 BUCKET = "spot-mirror-test"
 
@@ -34,9 +34,15 @@ def fake_checkpoint(run_dir: Path, step: int) -> Path:
     with (run_dir / "metrics.jsonl").open("a", encoding="utf-8") as f:
         f.write(json.dumps({"step": step, "reward/mean": step / 10}) + "\n")
     return save_checkpoint(
-        run_dir, step, tensors={"trainable": {"w": torch.full((3,), float(step))}}, optimizer_state=None,
-        rng_state={}, meta={"step": step}, config_yaml="name: t\n", keep_last=2,
-    )  # fmt: skip
+        run_dir,
+        step,
+        tensors={"trainable": {"w": torch.full((3,), float(step))}},
+        optimizer_state=None,
+        rng_state={},
+        meta={"step": step},
+        config_yaml="name: t\n",
+        keep_last=2,
+    )
 
 
 def test_publish_keeps_the_newest_and_restore_brings_back_checkpoint_and_metrics(tmp_path):
@@ -106,9 +112,22 @@ def _math(row: dict) -> dict:
 def _train_cmd(model_dir: Path, run_dir: Path, store_url: str, iterations: int) -> list[str]:
     # No end-of-run cooldown: the killed run asks for far more iterations than the others (it must
     # outlive a second trainer's start), and the schedule would then differ.
-    overrides = [*tiny_overrides(model_dir, iterations), "log.checkpoint_every=2", f"log.store_url={store_url}", "train.lr_cooldown=0"]
-    return [sys.executable, "-m", "spotlight.cli", "train", "configs/dit/tiny-shapes.yaml", *overrides,
-            "--run-dir", str(run_dir)]  # fmt: skip
+    overrides = [
+        *tiny_overrides(model_dir, iterations),
+        "log.checkpoint_every=2",
+        f"log.store_url={store_url}",
+        "train.lr_cooldown=0",
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "spotlight.cli",
+        "train",
+        "configs/dit/tiny-shapes.yaml",
+        *overrides,
+        "--run-dir",
+        str(run_dir),
+    ]
 
 
 def test_trainer_killed_and_restarted_on_an_empty_disk_resumes_from_s3(tiny_model_dir, tmp_path):
@@ -119,9 +138,12 @@ def test_trainer_killed_and_restarted_on_an_empty_disk_resumes_from_s3(tiny_mode
         try:
             store = open_store(url)
             first = subprocess.Popen(
-                _train_cmd(tiny_model_dir, tmp_path / "machine-1", url, 100_000), env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )  # fmt: skip
+                _train_cmd(tiny_model_dir, tmp_path / "machine-1", url, 100_000),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             # Kill the trainer (no cleanup, like a lost node) once a mid-run checkpoint is in the store.
             deadline = time.monotonic() + 240
             while store.latest("checkpoints") is None:
@@ -130,28 +152,39 @@ def test_trainer_killed_and_restarted_on_an_empty_disk_resumes_from_s3(tiny_mode
                 time.sleep(0.2)
             # A replacement machine started while the first trainer still runs: the store's lease refuses it.
             early = subprocess.run(
-                _train_cmd(tiny_model_dir, tmp_path / "machine-2", url, 100_000), env=env,
-                capture_output=True, text=True, timeout=300,
-            )  # fmt: skip
+                _train_cmd(tiny_model_dir, tmp_path / "machine-2", url, 100_000),
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert first.poll() is None, "the first trainer ended before it was killed"
-            assert early.returncode == 2 and f"pid {first.pid}" in early.stderr and "lease" in early.stderr, early.stderr
+            assert early.returncode == 2 and f"pid {first.pid}" in early.stderr and "lease" in early.stderr, (
+                early.stderr
+            )
             assert not (tmp_path / "machine-2").exists()  # the failed start left nothing behind
             first.send_signal(signal.SIGKILL)
             first_log = first.communicate()[0]
             iterations = int(store.latest("checkpoints").rsplit("-", 1)[1]) + 4  # two checkpoints past the kill
 
             second = subprocess.run(
-                _train_cmd(tiny_model_dir, tmp_path / "machine-2", url, iterations), env=env,
-                capture_output=True, text=True, timeout=300,
-            )  # fmt: skip
+                _train_cmd(tiny_model_dir, tmp_path / "machine-2", url, iterations),
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert second.returncode == 0, second.stderr
             unwrapped = "".join(second.stdout.split())  # rich wraps long lines
             assert f"resumingfrom{tmp_path / 'machine-2' / 'checkpoints'}" in unwrapped
 
             straight = subprocess.run(
                 _train_cmd(tiny_model_dir, tmp_path / "straight", str(tmp_path / "local-store"), iterations),
-                env=env, capture_output=True, text=True, timeout=300,
-            )  # fmt: skip
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert straight.returncode == 0, straight.stderr
         finally:
             del os.environ["AWS_ENDPOINT_URL_S3"]
@@ -162,7 +195,9 @@ def test_trainer_killed_and_restarted_on_an_empty_disk_resumes_from_s3(tiny_mode
             assert torch.equal(resumed.tensors["trainable"][name], value), name
         rows = [json.loads(line) for line in (tmp_path / "machine-2" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == list(range(1, iterations + 1))  # none lost, none twice
-        straight_rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+        straight_rows = [
+            json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
+        ]
         assert [_math(r) for r in rows] == [_math(r) for r in straight_rows]
         assert store.latest("checkpoints") == f"checkpoints/step-{iterations:08d}"
 

@@ -150,10 +150,16 @@ DIT_CASES = {
     "tiny-shapes": [],
     # The real recipes' settings on the tiny model: LoRA, bf16, Flow-GRPO on an SDE window.
     "tiny-shapes-lora-bf16": [
-        "model.lora_rank=8", "model.dtype=bfloat16", "train.objective=flow_grpo", "sample.noise_level=1.2",
-        "sample.sde_window_size=2", "train.prompts_per_iteration=4", "train.minibatch_size=32", "sample.batch_size=32",
+        "model.lora_rank=8",
+        "model.dtype=bfloat16",
+        "train.objective=flow_grpo",
+        "sample.noise_level=1.2",
+        "sample.sde_window_size=2",
+        "train.prompts_per_iteration=4",
+        "train.minibatch_size=32",
+        "sample.batch_size=32",
     ],
-}  # fmt: skip
+}
 
 
 def _measure_dit_update(cfg, policy, trainer, ro, adv, *, block_recompute: int = 0) -> tuple[dict, int]:
@@ -174,7 +180,8 @@ def _measure_dit_update(cfg, policy, trainer, ro, adv, *, block_recompute: int =
         "gradients": _bytes(p.grad for p in trainer.params if p.grad is not None),
         "optimizer": _optimizer_bytes(trainer.optimizer),
         "activations": meter.peak + block_recompute,
-        "buffers": _bytes([ro.trajectory.latents, ro.trajectory.log_probs]) + _bytes([t for t in (embeds.embeds, embeds.neg_embeds) if t is not None]),
+        "buffers": _bytes([ro.trajectory.latents, ro.trajectory.log_probs])
+        + _bytes([t for t in (embeds.embeds, embeds.neg_embeds) if t is not None]),
     }
     return measured, largest["max"]
 
@@ -199,22 +206,35 @@ def test_dit_plan_matches_a_measured_training_step(case, copies):
     prompts, seeds, sde_steps = plan_iteration(cfg, train_and_eval_prompts(cfg.data, cfg.reward.weights)[0], 0)
     sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
     ro = rollout(
-        policy, prompts, seeds, sigmas, noise_level=cfg.sample.noise_level, sde_steps=sde_steps, sde_type=cfg.sample.sde_type,
-        guidance_scale=cfg.sample.guidance_scale, negative_prompt=cfg.sample.negative_prompt, batch_size=cfg.sample.batch_size,
-    )  # fmt: skip
+        policy,
+        prompts,
+        seeds,
+        sigmas,
+        noise_level=cfg.sample.noise_level,
+        sde_steps=sde_steps,
+        sde_type=cfg.sample.sde_type,
+        guidance_scale=cfg.sample.guidance_scale,
+        negative_prompt=cfg.sample.negative_prompt,
+        batch_size=cfg.sample.batch_size,
+    )
     P, G = cfg.train.prompts_per_iteration, cfg.train.group_size
     adv = group_advantages(torch.randn(P, G, generator=torch.Generator().manual_seed(0)))
     assert int(adv.trainable_PG.sum()) == P * G
 
     # Without gradient checkpointing, then with it on the same policy, optimizer and rollout.
+    block = 0  # with checkpointing: one block's recompute, as measured without it
     for gc in (False, True):
         if gc:
             policy.transformer.enable_gradient_checkpointing()
         measured, block = _measure_dit_update(cfg, policy, trainer, ro, adv, block_recompute=block if gc else 0)
         # Copies made during this update (DiffusionNFT's old policy) or at start (the KL reference).
-        measured["weights"] = _module_bytes(policy.transformer, policy.text_encoder, *copies) + _bytes(trainer.ema or [])
+        measured["weights"] = _module_bytes(policy.transformer, policy.text_encoder, *copies) + _bytes(
+            trainer.ema or []
+        )
         copies[:] = [c for c in copies if c is trainer._ref_copy]
-        plan = plan_recipe(DIT_RECIPE, [*overrides, f"model.gradient_checkpointing={str(gc).lower()}"], gpus=1, gpu_mem_gib=80)
+        plan = plan_recipe(
+            DIT_RECIPE, [*overrides, f"model.gradient_checkpointing={str(gc).lower()}"], gpus=1, gpu_mem_gib=80
+        )
         _compare(plan, measured, f"{case} gradient_checkpointing={gc}")
 
 
@@ -226,7 +246,12 @@ VLM_CASES = {
     "tiny-count": [],
     "tiny-count-serial": ["train.schedule=serial"],
     # The real recipe's settings on the tiny model: LoRA (fp32 adapters on bf16), frozen vision, micro-batches.
-    "tiny-count-lora-bf16": ["model.lora_rank=8", "model.dtype=bfloat16", "model.train_vision=false", "train.micro_batch_size=32"],
+    "tiny-count-lora-bf16": [
+        "model.lora_rank=8",
+        "model.dtype=bfloat16",
+        "model.train_vision=false",
+        "train.micro_batch_size=32",
+    ],
 }
 
 
@@ -239,7 +264,9 @@ def tiny_vlm(tmp_path_factory):
     from vlm.tiny import build_tiny_vlm
 
     task = load_config(VLMRecipe, VLM_RECIPE, []).task
-    return build_tiny_vlm(tmp_path_factory.mktemp("plan") / "vlm", TinyVLMConfig(), corpus(task), image_px=task.grid_size * 28)
+    return build_tiny_vlm(
+        tmp_path_factory.mktemp("plan") / "vlm", TinyVLMConfig(), corpus(task), image_px=task.grid_size * 28
+    )
 
 
 @pytest.mark.parametrize("case", list(VLM_CASES))

@@ -143,12 +143,14 @@ def test_budget_too_small_to_choose_explores_nothing():
 
 def test_greedy_serves_unseen_then_highest_last_variance():
     planner = GreedyPlanner(per_prompt=10)
-    planner.observe([
-        Observation("flat", np.ones(8), 0),
-        Observation("wide", np.tile([0.0, 1.0], 4), 0),
-        Observation("narrow", np.tile([0.4, 0.6], 4), 0),
-        Observation("wide", np.ones(8), 1),  # only the latest iteration counts: now flat
-    ])
+    planner.observe(
+        [
+            Observation("flat", np.ones(8), 0),
+            Observation("wide", np.tile([0.0, 1.0], 4), 0),
+            Observation("narrow", np.tile([0.4, 0.6], 4), 0),
+            Observation("wide", np.ones(8), 1),  # only the latest iteration counts: now flat
+        ]
+    )
     alloc = planner.plan(["flat", "wide", "narrow", "new"], 25, group_size=4)
     # new (unseen), narrow (variance 0.01), then the rest (5 >= G + 1) to flat (variance 0, listed first)
     assert alloc.counts == {"flat": 5, "wide": 0, "narrow": 10, "new": 10}
@@ -190,10 +192,12 @@ def test_bandit_prefers_rare_success_over_coin_flip():
     rng = np.random.default_rng(0)
     planner = BanditPlanner(seed=0)
     for k in range(10):
-        planner.observe([
-            Observation("rare", (rng.random(32) < 0.1).astype(float), k),
-            Observation("coin", (rng.random(32) < 0.5).astype(float), k),
-        ])
+        planner.observe(
+            [
+                Observation("rare", (rng.random(32) < 0.1).astype(float), k),
+                Observation("coin", (rng.random(32) < 0.5).astype(float), k),
+            ]
+        )
     alloc = planner.plan(["rare", "coin"], 40, group_size=8, max_candidates=32)
     assert alloc["rare"] > alloc["coin"], alloc
 
@@ -340,10 +344,17 @@ def test_reward_table_round_trip(tmp_path, suffix):
 def test_benchmark_prints_one_json_line(tmp_path):
     table = synthetic_reward_table(seed=1, num_iterations=3, pool_size=8, prompts_per_iteration=4, num_candidates=16)
     save_reward_table(table, tmp_path / "t.json")
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "planner.py"), "--table", str(tmp_path / "t.json")],
-        capture_output=True, text=True, check=True, cwd=ROOT,
-    ).stdout.strip().splitlines()
+    out = (
+        subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "planner.py"), "--table", str(tmp_path / "t.json")],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
+        .stdout.strip()
+        .splitlines()
+    )
     assert len(out) == 1
     result = json.loads(out[0])
     assert result["table"].endswith("t.json") and result["iterations"] == 3 and result["group_size"] == 8
@@ -448,11 +459,24 @@ def test_benchmark_scores_out_of_sample_and_tunes_on_another_table(tmp_path):
     noisy = [{p: r + rng.normal(0, 0.3, r.size) for p, r in it.items()} for it in table.iterations]
     save_reward_table(_with_explored(table, noisy), tmp_path / "stale.npz")
     save_reward_table(synthetic_reward_table(seed=2, **kw), tmp_path / "other.npz")
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "planner.py"), "--table", str(tmp_path / "stale.npz"),
-         "--tune-on", str(tmp_path / "other.npz")],
-        capture_output=True, text=True, check=True, cwd=ROOT,
-    ).stdout.strip().splitlines()  # fmt: skip
+    out = (
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "planner.py"),
+                "--table",
+                str(tmp_path / "stale.npz"),
+                "--tune-on",
+                str(tmp_path / "other.npz"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
+        .stdout.strip()
+        .splitlines()
+    )
     assert len(out) == 1
     result = json.loads(out[0])
     assert result["scored"] == "out_of_sample" and result["staleness"] == 1 and result["baseline"].startswith("uniform")

@@ -24,10 +24,26 @@ def test_pull_against_a_baseline_on_a_replayed_preemption(tmp_path, baseline):
     trace = tmp_path / "trace.csv"
     trace.write_text(TRACE)
     cmd = [
-        sys.executable, str(REPO / "benchmarks/preemption_replay.py"), "--trace", str(trace), "--nodes", "2",
-        "--window-s", "400", "--start-s", "0", "--jobs", "16", "--wave-jobs", "16", "--baseline", baseline,
-        "--timeout-s", "120", "--json",
-    ]  # fmt: skip
+        sys.executable,
+        str(REPO / "benchmarks/preemption_replay.py"),
+        "--trace",
+        str(trace),
+        "--nodes",
+        "2",
+        "--window-s",
+        "400",
+        "--start-s",
+        "0",
+        "--jobs",
+        "16",
+        "--wave-jobs",
+        "16",
+        "--baseline",
+        baseline,
+        "--timeout-s",
+        "120",
+        "--json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -36,7 +52,11 @@ def test_pull_against_a_baseline_on_a_replayed_preemption(tmp_path, baseline):
     assert r["baseline"].startswith("Ray tasks" if baseline == "ray-retries" else "push: each job")
     assert r["jobs"] == 16 and r["lost"] == 0 and r["duplicated"] == 0 and r["bit_exact"] is True
     # The paper-scale job by default: 10 steps of 2.1 s on Qwen-Image 1280x1280, compressed 40x.
-    assert r["job"] == "qwen-image-1280" and r["job_trace_s"] == pytest.approx(21.0) and r["job_wall_s"] == pytest.approx(0.525)
+    assert (
+        r["job"] == "qwen-image-1280"
+        and r["job_trace_s"] == pytest.approx(21.0)
+        and r["job_wall_s"] == pytest.approx(0.525)
+    )
     assert r["preemptions"] == 1
     assert r["preemptions_hitting_work"] == {"pull": 1, baseline: 1}
     other = r[baseline]

@@ -66,10 +66,17 @@ def _step(policy, trainer, cfg: DiTRecipe, iteration: int = 0):
     s = cfg.sample
     policy.prompt_cache.begin_step(prompts)
     ro = rollout(
-        policy, prompts, list(range(100 * iteration, 100 * iteration + len(prompts))), sigmas,
-        noise_level=s.noise_level, sde_steps=sde_step_indices(s.num_steps, 0, 0), sde_type=s.sde_type,
-        guidance_scale=s.guidance_scale, negative_prompt=s.negative_prompt, batch_size=s.batch_size,
-    )  # fmt: skip
+        policy,
+        prompts,
+        list(range(100 * iteration, 100 * iteration + len(prompts))),
+        sigmas,
+        noise_level=s.noise_level,
+        sde_steps=sde_step_indices(s.num_steps, 0, 0),
+        sde_type=s.sde_type,
+        guidance_scale=s.guidance_scale,
+        negative_prompt=s.negative_prompt,
+        batch_size=s.batch_size,
+    )
     rewards = torch.arange(len(prompts), dtype=torch.float32).view(len(PROMPTS), G) % 3
     trainer.update(ro, group_advantages(rewards), iteration)
     return ro, policy.prompt_cache.end_step()
@@ -93,7 +100,7 @@ def test_one_encoder_call_per_prompt_per_step_and_identical_samples(tiny_model_d
         runs[cached] = outs, policy.transformer.state_dict()
 
     distinct = len(PROMPTS) + (guidance_scale != 1.0)  # the negative prompt is one more prompt
-    for ro, stats, encoded in runs[True][0]:
+    for _ro, stats, encoded in runs[True][0]:
         assert encoded == stats.num_encoded == distinct
         assert stats.num_prompts == distinct and stats.calls_per_prompt == 1.0
         assert stats.num_forwards == 1 + (guidance_scale != 1.0)  # begin_step, then the negative at first use
@@ -113,10 +120,16 @@ def test_training_run_reports_one_call_per_prompt(tiny_model_dir, tmp_path):
     """The real driver opens and closes the step and logs prompt_encoder/calls_per_prompt."""
     run_dir = tmp_path / "run"
     overrides = [
-        f"model.path={tiny_model_dir}", "sample.num_steps=2", "sample.batch_size=4", "train.num_iterations=2",
-        "train.prompts_per_iteration=2", "train.group_size=4", "train.minibatch_size=4", "log.images_every=0",
+        f"model.path={tiny_model_dir}",
+        "sample.num_steps=2",
+        "sample.batch_size=4",
+        "train.num_iterations=2",
+        "train.prompts_per_iteration=2",
+        "train.group_size=4",
+        "train.minibatch_size=4",
+        "log.images_every=0",
         "data.num_heldout=8",
-    ]  # fmt: skip
+    ]
     assert main(["train", *overrides, "--run-dir", str(run_dir), "--quiet"]) == 0
     rows = read_metrics(run_dir)
     assert [r["prompt_encoder/calls_per_prompt"] for r in rows] == [1.0, 1.0]
@@ -129,7 +142,7 @@ def test_memory_is_held_for_the_step_only(tiny_policy):
     for step in range(3):
         prompts = [PROMPTS[step], PROMPTS[(step + 1) % 3]] * G
         cache.begin_step(prompts)
-        embeds, _ = tiny_policy.encode_prompts(prompts)
+        tiny_policy.encode_prompts(prompts)
         assert cache.num_held == 2
         # Each held embedding owns its storage: it does not keep the encoder's batch output alive.
         e = cache.lookup([PROMPTS[step]])[0]
@@ -355,21 +368,33 @@ def test_prefetch_through_the_driver_is_bit_identical_and_resumes(tiny_model_dir
     and resumed: the same encoder batches and embeddings, rollouts and trained weights, bit for bit.
     True CFG makes the driver's thread encode the negative prompt while the prefetch may run."""
     overrides = [
-        f"model.path={tiny_model_dir}", "sample.num_steps=2", "sample.batch_size=4", "sample.guidance_scale=2.0",
-        "train.num_iterations=3", "train.prompts_per_iteration=2", "train.group_size=4", "train.minibatch_size=4",
-        "train.lr_cooldown=0", "log.images_every=0", "log.checkpoint_every=1", "data.num_heldout=8",
-    ]  # fmt: skip
+        f"model.path={tiny_model_dir}",
+        "sample.num_steps=2",
+        "sample.batch_size=4",
+        "sample.guidance_scale=2.0",
+        "train.num_iterations=3",
+        "train.prompts_per_iteration=2",
+        "train.group_size=4",
+        "train.minibatch_size=4",
+        "train.lr_cooldown=0",
+        "log.images_every=0",
+        "log.checkpoint_every=1",
+        "data.num_heldout=8",
+    ]
     runs = {}
     for prefetch in (False, True):
         rec = _recorded_driver(monkeypatch)
         run_dir = tmp_path / f"prefetch-{prefetch}"
-        assert main(["train", *overrides, f"train.prefetch_prompts={prefetch}", "--run-dir", str(run_dir), "--quiet"]) == 0
+        assert (
+            main(["train", *overrides, f"train.prefetch_prompts={prefetch}", "--run-dir", str(run_dir), "--quiet"]) == 0
+        )
         runs[prefetch] = rec, read_metrics(run_dir)
         assert not _prefetch_threads()
     (off, off_rows), (on, on_rows) = runs[False], runs[True]
     for rows in (off_rows, on_rows):
         assert all(r["prompt_encoder/calls_per_prompt"] == 1.0 and r["prompt_encoder/forwards"] == 2.0 for r in rows)
         assert all(r["time/prompt_encoder_wait_s"] >= 0 for r in rows)
+
     # The same batches (each step's sorted distinct prompts, and the negative prompt in its own), to
     # the same bits; with prefetch the steps after the first were encoded on the worker thread.
     def batches(rec, negative: bool):

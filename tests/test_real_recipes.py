@@ -44,13 +44,24 @@ def tiny_qwen_image(tmp_path_factory) -> Path:
     # channels, 8x down-sampling) and the transformer for one that reads its packed latents.
     (folder / "latent_codec.json").unlink()
     AutoencoderKLQwenImage(
-        base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-        latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
-    ).save_pretrained(folder / "vae")  # fmt: skip
+        base_dim=24,
+        z_dim=4,
+        dim_mult=[1, 2, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    ).save_pretrained(folder / "vae")
     QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=spec.text_hidden, axes_dims_rope=(4, 6, 6),
-    ).save_pretrained(folder / "transformer")  # fmt: skip
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=spec.text_hidden,
+        axes_dims_rope=(4, 6, 6),
+    ).save_pretrained(folder / "transformer")
     return folder
 
 
@@ -70,14 +81,26 @@ def tiny_reward_models(tmp_path_factory) -> dict[str, Path]:
 
 DIT_RECIPES = {
     # recipe: (reward overrides given the tiny reward model folders, prompt file, the recipe's reward)
-    "qwen-image-ocr": (lambda m: [f"reward.ocr_model_path={m['ocr']}", "reward.ocr_max_new_tokens=16"], OCR_PROMPTS, "ocr"),
+    "qwen-image-ocr": (
+        lambda m: [f"reward.ocr_model_path={m['ocr']}", "reward.ocr_max_new_tokens=16"],
+        OCR_PROMPTS,
+        "ocr",
+    ),
     # Thresholds 0: a random detector's scores are low, and the counting and colour code should run.
     "qwen-image-geneval": (
-        lambda m: [f"reward.detector_model_path={m['detector']}", "reward.detector_threshold=0", "reward.detector_count_threshold=0"],
+        lambda m: [
+            f"reward.detector_model_path={m['detector']}",
+            "reward.detector_threshold=0",
+            "reward.detector_count_threshold=0",
+        ],
         GENEVAL_PROMPTS,
         "geneval",
     ),
-    "qwen-image": (lambda m: [f"reward.clip_model_path={m['clip']}", f"reward.clip_processor_path={m['clip']}"], OCR_PROMPTS, "pickscore"),
+    "qwen-image": (
+        lambda m: [f"reward.clip_model_path={m['clip']}", f"reward.clip_processor_path={m['clip']}"],
+        OCR_PROMPTS,
+        "pickscore",
+    ),
 }
 
 
@@ -91,22 +114,36 @@ def test_dit_recipe_runs_one_step(recipe, tiny_qwen_image, tiny_reward_models, t
     reward_overrides, prompts, reward_name = DIT_RECIPES[recipe]
     recipe_path = ROOT / "configs/dit" / f"{recipe}.yaml"
     overrides = [
-        f"model.path={tiny_qwen_image}", "model.height=32", "model.width=32", "model.dtype=float32", "model.device=cpu",
-        f"data.train_prompts={prompts}", f"data.eval_prompts={prompts}",
-        "sample.batch_size=4", "train.prompts_per_iteration=2", "train.group_size=2", "train.minibatch_size=4",
-        "train.num_iterations=1", "log.wandb_mode=disabled", "log.images_every=0", "eval.every=0",
+        f"model.path={tiny_qwen_image}",
+        "model.height=32",
+        "model.width=32",
+        "model.dtype=float32",
+        "model.device=cpu",
+        f"data.train_prompts={prompts}",
+        f"data.eval_prompts={prompts}",
+        "sample.batch_size=4",
+        "train.prompts_per_iteration=2",
+        "train.group_size=2",
+        "train.minibatch_size=4",
+        "train.num_iterations=1",
+        "log.wandb_mode=disabled",
+        "log.images_every=0",
+        "eval.every=0",
         # A random reward model can score every sample alike, and a group with equal rewards trains
         # nothing; a little JPEG compressibility keeps the step's parameter change observable.
         "reward.weights.jpeg_compressibility=0.001",
         *reward_overrides(tiny_reward_models),
-    ]  # fmt: skip
+    ]
     # The recipe's own training settings are what runs (only sizes, paths and device were overridden).
     cfg = load_config(DiTRecipe, recipe_path, overrides)
     original = load_config(DiTRecipe, recipe_path)
     assert cfg.model.lora_rank == original.model.lora_rank == 64 and cfg.model.gradient_checkpointing
     assert (cfg.sample.noise_level, cfg.sample.sde_window_size, cfg.train.objective, cfg.train.beta) == (
-        original.sample.noise_level, original.sample.sde_window_size, original.train.objective, original.train.beta,
-    )  # fmt: skip
+        original.sample.noise_level,
+        original.sample.sde_window_size,
+        original.train.objective,
+        original.train.beta,
+    )
     assert reward_name in original.reward.weights
 
     run_dir = tmp_path / "run"
@@ -137,18 +174,28 @@ def test_vlm_recipe_runs_one_step(tmp_path):
     original = load_config(VLMRecipe, recipe_path)
     # The recipe's own task (an 8x8 grid): the tiny processor is sized for its images.
     model_dir = build_tiny_vlm(
-        tmp_path / "model", TinyVLMConfig(text_layers=1, vision_depth=1), corpus(original.task),
+        tmp_path / "model",
+        TinyVLMConfig(text_layers=1, vision_depth=1),
+        corpus(original.task),
         image_px=original.task.grid_size * CELL_PX,
-    )  # fmt: skip
+    )
     overrides = [
-        f"model.path={model_dir}", "model.dtype=float32", "model.device=cpu",
-        "train.prompts_per_iteration=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
-        "train.minibatch_size=4", "train.micro_batch_size=2", "train.num_iterations=1",
-        "log.wandb_mode=disabled", "eval.every=0", "task.num_heldout=8",
+        f"model.path={model_dir}",
+        "model.dtype=float32",
+        "model.device=cpu",
+        "train.prompts_per_iteration=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=4",
+        "train.minibatch_size=4",
+        "train.micro_batch_size=2",
+        "train.num_iterations=1",
+        "log.wandb_mode=disabled",
+        "eval.every=0",
+        "task.num_heldout=8",
         # A random model never writes `answer : <word>`, so every group would be flat and skipped:
         # keep them, so that the reference pass (LoRA off) and the update run.
         "train.drop_flat_groups=false",
-    ]  # fmt: skip
+    ]
     cfg = load_config(VLMRecipe, recipe_path, overrides)
     assert cfg.model.lora_rank == 64 and not cfg.model.train_vision and cfg.train.schedule == "rollplex"
     assert cfg.train.beta == original.train.beta > 0

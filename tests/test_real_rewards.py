@@ -152,7 +152,13 @@ def test_label_vocabulary():
         ("A photo of an orange cup.", GE.PromptSpec((GE.ObjectSpec("cup", 1, False, "orange"),))),  # the colour
         (
             "three people, 2 wine glasses, and a mouse",
-            GE.PromptSpec((GE.ObjectSpec("person", 3, True), GE.ObjectSpec("wine glass", 2, True), GE.ObjectSpec("mouse", 1, False))),
+            GE.PromptSpec(
+                (
+                    GE.ObjectSpec("person", 3, True),
+                    GE.ObjectSpec("wine glass", 2, True),
+                    GE.ObjectSpec("mouse", 1, False),
+                )
+            ),
         ),
         (
             "a photo of a dog to the left of a teddy bear",
@@ -176,8 +182,19 @@ def test_parse_prompt_errors_name_the_prompt():
 
 
 def test_classify_color():
-    rgbs = [(220, 30, 30), (255, 140, 0), (240, 220, 30), (30, 160, 60), (30, 60, 220), (130, 40, 180),
-            (250, 150, 190), (120, 70, 30), (10, 10, 10), (245, 245, 245), (128, 128, 128)]  # fmt: skip
+    rgbs = [
+        (220, 30, 30),
+        (255, 140, 0),
+        (240, 220, 30),
+        (30, 160, 60),
+        (30, 60, 220),
+        (130, 40, 180),
+        (250, 150, 190),
+        (120, 70, 30),
+        (10, 10, 10),
+        (245, 245, 245),
+        (128, 128, 128),
+    ]
     names = ["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white", "gray"]
     assert [GE.classify_color(c) for c in rgbs] == names
 
@@ -206,7 +223,12 @@ def test_score_prompt_partial_credit():
     weak = [_det("apple", 0.95, color="red"), _det("apple", 0.85, color="red"), _det("cup", 0.3, color="blue")]
     assert GE.score_prompt(spec, weak) == pytest.approx(((1 + 0.5 + 1) / 3 + 1) / 2)
     # Three red apples: count credit 1/2; the colour of the two best is checked.
-    three = [_det("apple", 0.99, color="red"), _det("apple", 0.98, color="red"), _det("apple", 0.97, color="green"), right[2]]
+    three = [
+        _det("apple", 0.99, color="red"),
+        _det("apple", 0.98, color="red"),
+        _det("apple", 0.97, color="green"),
+        right[2],
+    ]
     assert GE.score_prompt(spec, three) == pytest.approx(((1 + 0.5 + 1) / 3 + 1) / 2)
     assert GE.score_prompt(spec, []) == 0.0
 
@@ -231,7 +253,12 @@ def test_geneval_reward_detects_and_scores(tiny_dirs):
     images = _images(4, 48, 64)
     prompts = ["two red apples and a blue cup", "a dog left of a teddy bear", "a photo of a cat", "three cups"]
     # Threshold 0: the random detector's low scores still count, so counting and colours run.
-    options = dict(detector_model_path=tiny_dirs["detector"], detector_threshold=0.0, detector_count_threshold=0.0, detector_device="cpu")
+    options = dict(
+        detector_model_path=tiny_dirs["detector"],
+        detector_threshold=0.0,
+        detector_count_threshold=0.0,
+        detector_device="cpu",
+    )
     reward = build_reward({"geneval": 1.0}, batch_size=3, **options)
     scores = reward(images, prompts).components["geneval"]
     assert scores.shape == (4,) and scores.dtype == torch.float32

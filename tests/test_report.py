@@ -32,9 +32,15 @@ from spotlight.tracking import Tracker
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def chromium() -> str:
@@ -89,7 +95,9 @@ def page_requests(browser: str, url: str, user_data_dir: Path, timeout_s: float 
         os.dup2(from_chrome_w, 4)
 
     cmd = [browser, *CHROMIUM_FLAGS, f"--user-data-dir={user_data_dir}", "--remote-debugging-pipe", "about:blank"]
-    proc = subprocess.Popen(cmd, pass_fds=(3, 4), preexec_fn=fds_3_and_4, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, pass_fds=(3, 4), preexec_fn=fds_3_and_4, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     os.close(to_chrome_r)
     os.close(from_chrome_w)
     deadline = time.monotonic() + timeout_s
@@ -131,7 +139,11 @@ def page_requests(browser: str, url: str, user_data_dir: Path, timeout_s: float 
             proc.wait()
         os.close(to_chrome_w)
         os.close(from_chrome_r)
-    return [e["params"]["request"]["url"] for e in events if e.get("method") == "Network.requestWillBeSent" and e.get("sessionId") == session]
+    return [
+        e["params"]["request"]["url"]
+        for e in events
+        if e.get("method") == "Network.requestWillBeSent" and e.get("sessionId") == session
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -145,25 +157,58 @@ def stale_run(tiny_model_dir, tmp_path_factory) -> Path:
     """A real 4-iteration run with stale exploration on a local Ray cluster, eval and image grids."""
     run_dir = tmp_path_factory.mktemp("report") / "run"
     overrides = [
-        f"model.path={tiny_model_dir}", "sample.num_steps=3", "sample.eval_num_steps=3", "sample.batch_size=16",
-        "train.num_iterations=4", "train.prompts_per_iteration=2", "train.group_size=4", "train.num_inner_epochs=4",
-        "train.minibatch_size=2", "reward.weights={jpeg_compressibility: 1.0}", "train.max_minutes=0",
-        "log.wandb_mode=disabled", "log.images_every=2", "log.checkpoint_every=4", "data.num_heldout=8",
-        "eval.every=2", "eval.num_seeds=1", "explore.mode=stale", "explore.planner=uniform",
-        "explore.max_candidates=8", "explore.budget_fraction=1.0",
-    ]  # fmt: skip
+        f"model.path={tiny_model_dir}",
+        "sample.num_steps=3",
+        "sample.eval_num_steps=3",
+        "sample.batch_size=16",
+        "train.num_iterations=4",
+        "train.prompts_per_iteration=2",
+        "train.group_size=4",
+        "train.num_inner_epochs=4",
+        "train.minibatch_size=2",
+        "reward.weights={jpeg_compressibility: 1.0}",
+        "train.max_minutes=0",
+        "log.wandb_mode=disabled",
+        "log.images_every=2",
+        "log.checkpoint_every=4",
+        "data.num_heldout=8",
+        "eval.every=2",
+        "eval.num_seeds=1",
+        "explore.mode=stale",
+        "explore.planner=uniform",
+        "explore.max_candidates=8",
+        "explore.budget_fraction=1.0",
+    ]
     proc = subprocess.run(
-        [sys.executable, "-m", "spotlight.cli", "train", "configs/dit/tiny-shapes.yaml", *overrides, "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=240, cwd=REPO, env=dict(os.environ, WANDB_MODE="disabled"),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "spotlight.cli",
+            "train",
+            "configs/dit/tiny-shapes.yaml",
+            *overrides,
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env=dict(os.environ, WANDB_MODE="disabled"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
 
 def test_report_of_a_real_run_renders_in_headless_chromium(browser, stale_run, tmp_path):
     """`spotlight report RUN_DIR`: every section with data, PNGs embedded and on disk, no network."""
-    proc = subprocess.run([sys.executable, "-m", "spotlight.cli", "report", str(stale_run)],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "spotlight.cli", "report", str(stale_run)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     index = stale_run / "report" / "index.html"
     assert proc.stdout.strip().splitlines()[-1] == str(index)
@@ -171,15 +216,24 @@ def test_report_of_a_real_run_renders_in_headless_chromium(browser, stale_run, t
 
     shot = tmp_path / "shot.png"
     run = [browser, *CHROMIUM_FLAGS]
-    subprocess.run([*run, f"--user-data-dir={tmp_path / 'profile-shot'}", f"--screenshot={shot}", "--window-size=1280,4000", url],
-                   capture_output=True, timeout=120, check=True)  # fmt: skip
+    subprocess.run(
+        [*run, f"--user-data-dir={tmp_path / 'profile-shot'}", f"--screenshot={shot}", "--window-size=1280,4000", url],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     with Image.open(shot) as im:
         assert im.size == (1280, 4000)
         colours = im.convert("RGB").getcolors(maxcolors=1 << 20)
     assert len(colours) > 100, "the screenshot is (nearly) one colour"
 
-    dom = subprocess.run([*run, f"--user-data-dir={tmp_path / 'profile-dom'}", "--dump-dom", url],
-                         capture_output=True, text=True, timeout=120, check=True).stdout  # fmt: skip
+    dom = subprocess.run(
+        [*run, f"--user-data-dir={tmp_path / 'profile-dom'}", "--dump-dom", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     page = Page(dom)
     assert list(page.sections) == list(SECTIONS)
     for sid in ("rewards", "validation", "timing", "images", "planner", "cost", "config"):
@@ -201,7 +255,9 @@ def test_report_of_a_real_run_renders_in_headless_chromium(browser, stale_run, t
 
     requests = page_requests(browser, url, tmp_path / "profile-cdp")
     assert url in requests and len(requests) > len(embedded) / 2
-    assert all(r.startswith(("file:", "data:")) for r in requests), [r[:80] for r in requests if not r.startswith("data:")]
+    assert all(r.startswith(("file:", "data:")) for r in requests), [
+        r[:80] for r in requests if not r.startswith("data:")
+    ]
 
 
 def make_run(run_dir: Path, rows: list[dict]) -> None:
@@ -214,7 +270,10 @@ def make_run(run_dir: Path, rows: list[dict]) -> None:
 
 def test_a_run_without_exploration_eval_images_or_cost_keeps_every_section(tmp_path):
     run_dir = tmp_path / "run"
-    make_run(run_dir, [{"reward/mean": 0.1 * k, "reward/std": 0.05, "time/rollout_s": 1.0, "time/update_s": 2.0} for k in range(3)])
+    make_run(
+        run_dir,
+        [{"reward/mean": 0.1 * k, "reward/std": 0.05, "time/rollout_s": 1.0, "time/update_s": 2.0} for k in range(3)],
+    )
     out = write_report(run_dir, tmp_path / "out")
     assert out == tmp_path / "out" / "index.html"
     page = Page(out.read_text())
@@ -232,7 +291,10 @@ def test_a_run_without_exploration_eval_images_or_cost_keeps_every_section(tmp_p
 
 def test_a_damaged_ledger_leaves_out_the_cost_and_says_why(tmp_path):
     run_dir = tmp_path / "run"
-    make_run(run_dir, [{"reward/mean": 0.1 * k, "reward/std": 0.05, "time/rollout_s": 1.0, "time/update_s": 2.0} for k in range(3)])
+    make_run(
+        run_dir,
+        [{"reward/mean": 0.1 * k, "reward/std": 0.05, "time/rollout_s": 1.0, "time/update_s": 2.0} for k in range(3)],
+    )
     (run_dir / "cost.json").write_text('{"version": 1, "pools": {"on_dem')  # cut mid-write
     page = Page(write_report(run_dir, tmp_path / "out").read_text())
     assert "cost.json is damaged" in page.sections["cost"] and NOT_RECORDED in page.sections["cost"]
@@ -243,11 +305,20 @@ def test_deaths_and_the_ledger_reach_the_page(tmp_path):
     """Explorer deaths per step and a ledger whose spot pool lost a node show up in their sections."""
     run_dir = tmp_path / "run"
     live, deaths = [2, 1, 2], [0, 1, 0]
-    make_run(run_dir, [
-        {"reward/mean": 0.5, "explore/num_explorers": n, "explore/explorer_deaths": d,
-         "explore/explorer_respawns_total": k // 2, "explore/candidates_planned": 8, "explore/fallback_died": d}
-        for k, (n, d) in enumerate(zip(live, deaths))
-    ])  # fmt: skip
+    make_run(
+        run_dir,
+        [
+            {
+                "reward/mean": 0.5,
+                "explore/num_explorers": n,
+                "explore/explorer_deaths": d,
+                "explore/explorer_respawns_total": k // 2,
+                "explore/candidates_planned": 8,
+                "explore/fallback_died": d,
+            }
+            for k, (n, d) in enumerate(zip(live, deaths))
+        ],
+    )
     ledger = CostLedger(run_dir, CostConfig(), resume=False, now=1000.0)
     for t, spot in ((1060.0, 2), (1120.0, 1), (1180.0, 2)):
         ledger.charge(spot_gpus=spot, now=t)

@@ -234,10 +234,7 @@ def test_render_prompt(size):
     assert colors == {S.BACKGROUND, S.PALETTE["red"], S.PALETTE["blue"]}
     np.testing.assert_array_equal(image, S.render_prompt(prompt, size, np.random.default_rng(0)))
     blobs = S.analyze_images(image[None])[0].blobs
-    assert (
-        sorted((b.color, b.shape) for b in blobs)
-        == [("blue", "triangle")] * 4 + [("red", "square")] * 4
-    )
+    assert sorted((b.color, b.shape) for b in blobs) == [("blue", "triangle")] * 4 + [("red", "square")] * 4
 
 
 def test_render_errors():
@@ -398,9 +395,7 @@ def tiny_clip_dirs(tmp_path_factory):
     tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     specials = ["<pad>", "<unk>", "<bos>", "<eos>"]
-    tokenizer.train_from_iterator(
-        S.all_prompts(), trainers.WordLevelTrainer(special_tokens=specials)
-    )
+    tokenizer.train_from_iterator(S.all_prompts(), trainers.WordLevelTrainer(special_tokens=specials))
     pad, bos, eos = (tokenizer.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>"))
     # CLIP pools the text at the end-of-text token, so every sequence must carry one.
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -413,9 +408,7 @@ def tiny_clip_dirs(tmp_path_factory):
         pad_token="<pad>",
         unk_token="<unk>",
     ).save_pretrained(processor_dir)
-    CLIPImageProcessor(
-        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
-    ).save_pretrained(processor_dir)
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(processor_dir)
     tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     config = CLIPConfig(
         text_config=dict(
@@ -467,9 +460,9 @@ def test_clip_score_reads_a_single_directory(tiny_clip_dirs, tmp_path):
     prompts = ["one red circle", "two blue squares"]
     images = _render(prompts)
     single = build_reward({"clip_score": 1.0}, clip_model_path=str(tmp_path))(images, prompts)
-    split = build_reward(
-        {"clip_score": 1.0}, clip_model_path=model_dir, clip_processor_path=processor_dir
-    )(images, prompts)
+    split = build_reward({"clip_score": 1.0}, clip_model_path=model_dir, clip_processor_path=processor_dir)(
+        images, prompts
+    )
     torch.testing.assert_close(single.total_B, split.total_B)
 
 
@@ -499,7 +492,13 @@ def test_breakdown_parts_of_known_images_and_as_zero_weight_rewards():
     np.testing.assert_array_equal(parts["shape"], [0.5, 1.0])
     np.testing.assert_array_equal(parts["extra_blobs"], [1.0, 0.0])
     blank = S.breakdown_images(np.ones((1, 64, 64, 3), dtype=np.float32), truth[:1])
-    assert {k: float(v[0]) for k, v in blank.items()} == {"present": 0.0, "count": 0.0, "shape": 0.0, "extra_blobs": 0.0, "unclear": 0.0}
+    assert {k: float(v[0]) for k, v in blank.items()} == {
+        "present": 0.0,
+        "count": 0.0,
+        "shape": 0.0,
+        "extra_blobs": 0.0,
+        "unclear": 0.0,
+    }
 
     # Registered as rewards: weight 0 logs a part without changing the total.
     reward = build_reward({"shapes": 1.0, "shapes_count": 0.0, "shapes_extra_blobs": 0.0})

@@ -25,14 +25,24 @@ def folder(request, tmp_path_factory):
     from vlm.tiny import build_tiny_vlm
 
     spec = TinyVLMConfig(family=request.param, **SPEC)
-    return build_tiny_vlm(tmp_path_factory.mktemp(request.param) / "model", spec, corpus(TaskConfig(**TASK)), image_px=TASK["grid_size"] * CELL_PX)
+    return build_tiny_vlm(
+        tmp_path_factory.mktemp(request.param) / "model",
+        spec,
+        corpus(TaskConfig(**TASK)),
+        image_px=TASK["grid_size"] * CELL_PX,
+    )
 
 
 def _recipe(folder, *overrides: str) -> VLMRecipe:
     tiny = [
-        f"model.path={folder}", f"train.prompts_per_iteration={P}", f"rollout.group_size={G}", "rollout.max_new_tokens=4",
-        "train.micro_batch_size=4", "log.wandb_mode=disabled", *[f"task.{k}={v}" for k, v in TASK.items()],
-    ]  # fmt: skip
+        f"model.path={folder}",
+        f"train.prompts_per_iteration={P}",
+        f"rollout.group_size={G}",
+        "rollout.max_new_tokens=4",
+        "train.micro_batch_size=4",
+        "log.wandb_mode=disabled",
+        *[f"task.{k}={v}" for k, v in TASK.items()],
+    ]
     return load_config(VLMRecipe, None, [*tiny, *overrides])
 
 
@@ -70,7 +80,14 @@ def _step(cfg: VLMRecipe, schedule: str):
     stats = sched.update(ro, rows, adv_B, old, ref, 0)
     sched.close()
     counter.close()
-    return {"tokens": ro.response_ids_BT, "ref": ref, "old": old, "loss": stats["loss"], "grads": grads, "images": counter.images}
+    return {
+        "tokens": ro.response_ids_BT,
+        "ref": ref,
+        "old": old,
+        "loss": stats["loss"],
+        "grads": grads,
+        "images": counter.images,
+    }
 
 
 def test_prefix_plus_suffix_logprobs_equal_the_full_forward(folder):
@@ -84,7 +101,9 @@ def test_prefix_plus_suffix_logprobs_equal_the_full_forward(folder):
     with torch.no_grad():
         full_BT = response_logprobs(policy, ro.prompts, ro.response_ids_BT, ro.response_mask_BT, 0.8)
         state = prefix_forward(policy, policy.model, prompts, version=0)  # once per prompt, shared by its 2 samples
-        split_BT = suffix_logprobs(policy, policy.model, state, [0, 0, 1, 1, 2, 2], ro.response_ids_BT, ro.response_mask_BT, 0.8)
+        split_BT = suffix_logprobs(
+            policy, policy.model, state, [0, 0, 1, 1, 2, 2], ro.response_ids_BT, ro.response_mask_BT, 0.8
+        )
     assert state.kv[0][0].shape[0] == 3
     torch.testing.assert_close(split_BT, full_BT, atol=1e-5, rtol=0)
     assert (split_BT[0, 2:] == 0).all()
@@ -102,7 +121,12 @@ def test_prefix_plus_suffix_logprobs_equal_the_full_forward(folder):
 @pytest.mark.parametrize(
     "device",
     # On CUDA the prefixes run on a side stream, concurrently with the decode (`pytest -m gpu`).
-    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])],
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
 )
 def test_rollplex_step_equals_serial(folder, overrides, device):
     cfg = _recipe(folder, f"model.device={device}", *overrides)

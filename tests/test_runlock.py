@@ -17,13 +17,13 @@ import sys
 import time
 
 import pytest
+from test_cli import tiny_overrides
 
 from spot.store import open_store
 from spotlight.checkpoint import load_checkpoint
 from spotlight.mirror import CheckpointMirror
 from spotlight.runlock import LOCK_FILE, STORE_LEASE, Fenced, RunDirBusy, RunLock, remove_if_empty_run
 from spotlight.tracking import read_metrics
-from test_cli import tiny_overrides
 
 
 def test_a_second_holder_is_refused_and_names_the_first(tmp_path):
@@ -55,8 +55,16 @@ def test_the_store_lease_refuses_until_it_expires_then_fences_the_old_holder(tmp
     store = open_store(tmp_path / "store")
     now = [1000.0]
     # A trainer on another machine holds the store (its flock is not visible here).
-    other = {"command": "spotlight train", "host": "other-host", "pid": 1, "started": 990.0, "token": 7,
-             "released": False, "renewed": 995.0, "lease_s": 60.0}  # fmt: skip
+    other = {
+        "command": "spotlight train",
+        "host": "other-host",
+        "pid": 1,
+        "started": 990.0,
+        "token": 7,
+        "released": False,
+        "renewed": 995.0,
+        "lease_s": 60.0,
+    }
     store.put_bytes(STORE_LEASE, json.dumps(other).encode())
     with pytest.raises(RunDirBusy, match="other-host.*expires in 55 s"):
         RunLock(tmp_path / "replacement", "spotlight train", store=store, lease_s=60, clock=lambda: now[0])
@@ -76,7 +84,9 @@ def test_an_old_holder_is_fenced_and_its_mirror_publishes_nothing(tmp_path):
     old_mirror.guard = old.check
     # The old machine stops answering; the lease is taken over after it expired (written here as the new holder would).
     lease = json.loads(old_mirror.store.get_bytes(STORE_LEASE))
-    old_mirror.store.put_bytes(STORE_LEASE, json.dumps({**lease, "host": "machine-2", "pid": 2, "token": lease["token"] + 1}).encode())
+    old_mirror.store.put_bytes(
+        STORE_LEASE, json.dumps({**lease, "host": "machine-2", "pid": 2, "token": lease["token"] + 1}).encode()
+    )
     from test_mirror import fake_checkpoint
 
     step_dir = fake_checkpoint(tmp_path / "machine-1", 4)
@@ -115,14 +125,18 @@ def test_two_trainers_on_one_run_dir_then_a_takeover_after_sigkill(tiny_model_di
     run_dir = tmp_path / "run"
     env = dict(os.environ, WANDB_MODE="offline")
     # Far more iterations than it will run: it must still be alive when the second one starts.
-    first = subprocess.Popen(_train(tiny_model_dir, run_dir, 100_000), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        _train(tiny_model_dir, run_dir, 100_000), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         latest = run_dir / "checkpoints" / "latest"
         deadline = time.monotonic() + 180
         while not latest.exists() and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.1)
         assert latest.exists() and first.poll() is None, "the first trainer wrote no checkpoint in time"
-        second = subprocess.run(_train(tiny_model_dir, run_dir, 100_000), env=env, capture_output=True, text=True, timeout=300)
+        second = subprocess.run(
+            _train(tiny_model_dir, run_dir, 100_000), env=env, capture_output=True, text=True, timeout=300
+        )
         assert second.returncode == 2, second.stderr
         err = second.stderr.strip()
         assert len(err.splitlines()) == 1 and f"pid {first.pid}" in err and "kill" in err, err
@@ -132,7 +146,9 @@ def test_two_trainers_on_one_run_dir_then_a_takeover_after_sigkill(tiny_model_di
         first.communicate()
     # The replacement takes over the dead trainer's run dir and finishes (a few iterations past its checkpoint).
     iterations = load_checkpoint(run_dir).step + 3
-    third = subprocess.run(_train(tiny_model_dir, run_dir, iterations), env=env, capture_output=True, text=True, timeout=600)
+    third = subprocess.run(
+        _train(tiny_model_dir, run_dir, iterations), env=env, capture_output=True, text=True, timeout=600
+    )
     assert third.returncode == 0, third.stderr
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, iterations + 1))  # each row exactly once
     assert load_checkpoint(run_dir).step == iterations

@@ -25,7 +25,19 @@ from functools import partial
 import pytest
 import torch
 
-from spot.jobqueue import ACCEPTED, HANDOFF, IGNORED, STALE, STOP, WAIT, YIELD, Job, JobQueue, WeightsUpdate, least_loaded
+from spot.jobqueue import (
+    ACCEPTED,
+    HANDOFF,
+    IGNORED,
+    STALE,
+    STOP,
+    WAIT,
+    YIELD,
+    Job,
+    JobQueue,
+    WeightsUpdate,
+    least_loaded,
+)
 from spot.pool import WorkerPool
 from spot.replay import busiest_window, window
 from spot.runtime import Runtime
@@ -139,7 +151,10 @@ def test_the_lease_log_says_who_ran_which_steps_of_each_job_and_how_each_lease_e
     log = q.lease_log()
     got = [(r["job"], r["worker"], r["from_step"], r["to_step"], r["end"], r["recomputed"]) for r in log]
     assert got[:3] == [(0, "a", 0, 2, "revoked", 1), (1, "b", 0, 4, "released", 0), (2, "c", 0, 0, "cancelled", 0)]
-    assert sorted(got[3:]) == [(0, "e", 2, 10, "completed", 0), (1, "d", 4, 10, "completed", 0)]  # the last released first
+    assert sorted(got[3:]) == [
+        (0, "e", 2, 10, "completed", 0),
+        (1, "d", 4, 10, "completed", 0),
+    ]  # the last released first
     assert q.lease_log(3) == log[3:]
 
 
@@ -408,7 +423,7 @@ def tiny_cfg(model_dir, **sample):
         "reward": {"weights": {"jpeg_compressibility": 1.0}},
         "train": {"objective": "flow_grpo", "group_size": 2},
         "explore": {"batch_size": 2},
-    }  # fmt: skip
+    }
     return from_dict(DiTRecipe, data)
 
 
@@ -588,7 +603,9 @@ def check_exactly_once(report, jobs, reference):
     assert sorted(r.job_id for r in report.results) == [j.job_id for j in jobs]
     by_id = {j.job_id: j for j in jobs}
     for r in report.results:
-        assert torch.equal(r.output.latents[-1][0], reference(by_id[r.job_id])), f"job {r.job_id} differs from the uninterrupted run"
+        assert torch.equal(r.output.latents[-1][0], reference(by_id[r.job_id])), (
+            f"job {r.job_id} differs from the uninterrupted run"
+        )
 
 
 def run_until(rt, cond, timeout_s: float = 30.0):
@@ -691,8 +708,8 @@ def test_push_repushes_a_dead_workers_jobs(cluster, pool, reference):
     rt.close()
     check_exactly_once(report, jobs, reference)
     assert report.stats.revoked == 1
-    # Least loaded over idle groups (round robin) gave the victim 3 jobs; it was killed in its first, so all three were re-pushed to
-    # the one other group running then (the victim's replacement was still loading).
+    # Least loaded over idle groups (round robin) gave the victim 3 jobs; it was killed in its first, so all
+    # three were re-pushed to the one other group running then (the victim's replacement was still loading).
     assert sorted(rt.repushed) == pushed_to_victim and len(pushed_to_victim) == 3
     assert group not in {r.worker_id for r in report.results}
 
@@ -775,7 +792,7 @@ def test_a_node_announced_for_reclaim_before_its_worker_is_up_takes_no_job(clust
         mine = [w for w in pool.workers if pool.node_of(w) == cluster.node_id(node)]
         return mine and all((w, "left") in [(x, ev) for _, x, ev in pool.events] for w in mine) and mine
 
-    (worker,) = run_until(rt, left, timeout_s=120)
+    (_worker,) = run_until(rt, left, timeout_s=120)
     report = rt.run(timeout_s=60)
     rt.close()
     check_exactly_once(report, jobs, reference)
@@ -832,8 +849,8 @@ def test_published_weights_reach_the_workers_through_the_queue(cluster, pool, ti
 def test_the_replayer_adds_warns_and_preempts_on_the_trace_clock(cluster):
     import ray
 
-    from spot.metadata import MetadataWatcher
     from spot.cluster import IMDS_LABEL, NODE_LABEL
+    from spot.metadata import MetadataWatcher
     from spot.replay import TraceReplayer
     from spot.traces import TraceEvent
 

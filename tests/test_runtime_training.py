@@ -3,7 +3,8 @@
 while spot nodes are killed under it, warned first, or come and go along a replayed trace.
 
 The small version of `benchmarks/spot_training.py`. A tiny model, 3 iterations of 3 prompts x 4
-seeds, rollout jobs of 2 rows (and local rollout chunks of 2: see `recipe`). The kill and the notice are aimed: a thread watches the queue and
+seeds, rollout jobs of 2 rows (and local rollout chunks of 2: see `recipe`). The kill and the notice are aimed: a thread
+watches the queue and
 hits a spot worker's node once it holds a rollout job past a commit, so the preemption lands on
 work every time. The trace test runs the real command with `runtime.trace` (a local cluster in a
 process of its own adding and killing nodes on the trace's clock).
@@ -46,11 +47,18 @@ def recipe(model_dir: Path, **runtime) -> DiTRecipe:
         # at other batch sizes (the tiny recipe's do not: jobs of 16 against chunks of 128).
         "sample": {"num_steps": NUM_STEPS, "autocast": "none", "batch_size": 2},
         "reward": {"weights": {"jpeg_compressibility": 1.0}},  # varies per seed: every group trains
-        "train": {"num_iterations": ITERATIONS, "prompts_per_iteration": 3, "group_size": 4, "minibatch_size": 6, "max_minutes": 0, "num_threads": THREADS},
+        "train": {
+            "num_iterations": ITERATIONS,
+            "prompts_per_iteration": 3,
+            "group_size": 4,
+            "minibatch_size": 6,
+            "max_minutes": 0,
+            "num_threads": THREADS,
+        },
         "log": {"wandb_mode": "disabled", "images_every": 0, "checkpoint_every": ITERATIONS},
         "data": {"num_heldout": 8},
         "runtime": {"job_size": 2, "commit_every": COMMIT_EVERY, **runtime},
-    }  # fmt: skip
+    }
     return from_dict(DiTRecipe, data)
 
 
@@ -137,14 +145,22 @@ def strike_when_past_a_commit(cluster, monkeypatch, act, *, wait_node_lost: bool
     return struck
 
 
-def test_a_spot_node_killed_mid_rollout_changes_nothing_in_the_weights(tiny_model_dir, local_run, cluster, tmp_path, monkeypatch):
+def test_a_spot_node_killed_mid_rollout_changes_nothing_in_the_weights(
+    tiny_model_dir, local_run, cluster, tmp_path, monkeypatch
+):
     from spotlight.train import run_training
 
-    struck = strike_when_past_a_commit(cluster, monkeypatch, lambda c, name: c.remove_node(name), wait_node_lost=True)  # SIGKILL, no notice
+    struck = strike_when_past_a_commit(
+        cluster, monkeypatch, lambda c, name: c.remove_node(name), wait_node_lost=True
+    )  # SIGKILL, no notice
     # Steps of at least 0.15 s (emulated slower device): the kill lands while the struck job still has
     # steps to go. At full speed its last steps take milliseconds, and on a loaded host the job could
     # end between the watcher's look and the kill (then no work is hit, and none is counted).
-    run_training(recipe(tiny_model_dir, rollouts="cluster", ray_address=cluster.address, emulated_step_s=0.15), tmp_path, progress=False)
+    run_training(
+        recipe(tiny_model_dir, rollouts="cluster", ray_address=cluster.address, emulated_step_s=0.15),
+        tmp_path,
+        progress=False,
+    )
     assert struck, "no spot worker held a rollout job past a commit"
     last = read_metrics(tmp_path)[-1]
     assert last["runtime/preemptions_total"] == 1 and last["runtime/preemptions_hitting_work_total"] == 1
@@ -156,7 +172,9 @@ def test_a_spot_node_killed_mid_rollout_changes_nothing_in_the_weights(tiny_mode
     assert same(weights(tmp_path), weights(local_run))
 
 
-def test_a_notice_commits_mid_rollout_and_nothing_is_recomputed(tiny_model_dir, local_run, cluster, tmp_path, monkeypatch):
+def test_a_notice_commits_mid_rollout_and_nothing_is_recomputed(
+    tiny_model_dir, local_run, cluster, tmp_path, monkeypatch
+):
     from spotlight.train import run_training
 
     def warn_then_kill(c, name):
@@ -168,9 +186,12 @@ def test_a_notice_commits_mid_rollout_and_nothing_is_recomputed(tiny_model_dir, 
     # while the struck job still has steps to go (its 6 steps take tens of ms on this tiny model, so
     # at full speed the job could end before a 0.5 s poll sees the notice).
     run_training(
-        recipe(tiny_model_dir, rollouts="cluster", ray_address=cluster.address, notice_poll_s=0.02, emulated_step_s=0.15),
-        tmp_path, progress=False,
-    )  # fmt: skip
+        recipe(
+            tiny_model_dir, rollouts="cluster", ray_address=cluster.address, notice_poll_s=0.02, emulated_step_s=0.15
+        ),
+        tmp_path,
+        progress=False,
+    )
     assert struck, "no spot worker held a rollout job past a commit"
     time.sleep(0.1)
     last = read_metrics(tmp_path)[-1]
@@ -185,20 +206,53 @@ def test_the_cli_trains_on_a_replayed_trace(tiny_model_dir, local_run, tmp_path)
     own adds and kills spot nodes along the trace (here about every second); the run ends with the
     local run's weights and says what the runtime went through."""
     trace = tmp_path / "trace.csv"  # Bamboo's format: seconds,instances
-    trace.write_text("".join(f"{t},{n}\n" for t, n in [(0, 2), (4, 1), (7, 2), (10, 1), (13, 2), (16, 1), (19, 2)]) + "22,2\n")
+    trace.write_text(
+        "".join(f"{t},{n}\n" for t, n in [(0, 2), (4, 1), (7, 2), (10, 1), (13, 2), (16, 1), (19, 2)]) + "22,2\n"
+    )
     run_dir = tmp_path / "run"
     overrides = [
-        f"model.path={tiny_model_dir}", "sample.num_steps=6", "sample.autocast=none", "sample.batch_size=2", "reward.weights={jpeg_compressibility: 1.0}",
-        f"train.num_iterations={ITERATIONS}", "train.prompts_per_iteration=3", "train.group_size=4", "train.minibatch_size=6",
-        "train.max_minutes=0", f"train.num_threads={THREADS}", "log.wandb_mode=disabled", "log.images_every=0", f"log.checkpoint_every={ITERATIONS}",
-        "data.num_heldout=8", "runtime.job_size=2", f"runtime.commit_every={COMMIT_EVERY}", "runtime.rollouts=cluster",
-        f"runtime.trace={trace}", "runtime.trace_nodes=2", "runtime.trace_window_s=22", "runtime.trace_compress=4",
-        "runtime.trace_start_s=0", "runtime.trace_notice_s=1",
-    ]  # fmt: skip
+        f"model.path={tiny_model_dir}",
+        "sample.num_steps=6",
+        "sample.autocast=none",
+        "sample.batch_size=2",
+        "reward.weights={jpeg_compressibility: 1.0}",
+        f"train.num_iterations={ITERATIONS}",
+        "train.prompts_per_iteration=3",
+        "train.group_size=4",
+        "train.minibatch_size=6",
+        "train.max_minutes=0",
+        f"train.num_threads={THREADS}",
+        "log.wandb_mode=disabled",
+        "log.images_every=0",
+        f"log.checkpoint_every={ITERATIONS}",
+        "data.num_heldout=8",
+        "runtime.job_size=2",
+        f"runtime.commit_every={COMMIT_EVERY}",
+        "runtime.rollouts=cluster",
+        f"runtime.trace={trace}",
+        "runtime.trace_nodes=2",
+        "runtime.trace_window_s=22",
+        "runtime.trace_compress=4",
+        "runtime.trace_start_s=0",
+        "runtime.trace_notice_s=1",
+    ]
     proc = subprocess.run(
-        [sys.executable, "-m", "spotlight.cli", "train", "configs/dit/tiny-shapes.yaml", *overrides, "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ, WANDB_MODE="disabled"),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "spotlight.cli",
+            "train",
+            "configs/dit/tiny-shapes.yaml",
+            *overrides,
+            "--run-dir",
+            str(run_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=dict(os.environ, WANDB_MODE="disabled"),
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "runtime: rollouts cluster" in proc.stdout and "preemptions" in proc.stdout
     applied = (run_dir / "replay.jsonl").read_text()

@@ -84,10 +84,16 @@ def test_sigmas_match_diffusers_qwen_image_scheduler(num_steps, seq_len):
 
     # Qwen-Image's scheduler_config.json.
     scheduler = FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9,
-        num_train_timesteps=1000, shift=1.0, shift_terminal=0.02, time_shift_type="exponential",
+        base_image_seq_len=256,
+        base_shift=0.5,
+        max_image_seq_len=8192,
+        max_shift=0.9,
+        num_train_timesteps=1000,
+        shift=1.0,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
         use_dynamic_shifting=True,
-    )  # fmt: skip
+    )
     # QwenImagePipeline: sigmas = linspace(1, 1/N, N), mu from its own calculate_shift defaults.
     sigmas_in = np.linspace(1.0, 1 / num_steps, num_steps)
     scheduler.set_timesteps(sigmas=sigmas_in, mu=calculate_shift(seq_len))
@@ -120,8 +126,11 @@ def test_seed_fixes_trajectory_across_batch_compositions(tiny_policy):
     alone = sample(_velocity_fn(tiny_policy, prompts[1:2]), [22], tiny_policy.latent_shape, sigmas, noise_level=1.2)
     other = sample(
         _velocity_fn(tiny_policy, [prompts[2], "one red circle", prompts[1]]),
-        [33, 99, 22], tiny_policy.latent_shape, sigmas, noise_level=1.2,
-    )  # fmt: skip
+        [33, 99, 22],
+        tiny_policy.latent_shape,
+        sigmas,
+        noise_level=1.2,
+    )
     torch.testing.assert_close(alone.latents[:, 0], full.latents[:, 1], rtol=0, atol=1e-5)
     torch.testing.assert_close(other.latents[:, 2], full.latents[:, 1], rtol=0, atol=1e-5)
     torch.testing.assert_close(other.log_probs[:, 0], full.log_probs[:, 2], rtol=0, atol=1e-4)
@@ -191,8 +200,16 @@ def test_window_and_resume_from_step(tiny_policy):
     assert traj.sde_steps == steps
     nonzero = (traj.log_probs != 0).any(dim=1).nonzero().flatten().tolist()
     assert nonzero == steps
-    resumed = sample(fn, [1, 2], tiny_policy.latent_shape, sigmas, noise_level=1.0, sde_steps=steps,
-                     start_step=4, start_latents=traj.latents[4])  # fmt: skip
+    resumed = sample(
+        fn,
+        [1, 2],
+        tiny_policy.latent_shape,
+        sigmas,
+        noise_level=1.0,
+        sde_steps=steps,
+        start_step=4,
+        start_latents=traj.latents[4],
+    )
     torch.testing.assert_close(resumed.final, traj.final, rtol=0, atol=1e-6)
     torch.testing.assert_close(resumed.log_probs, traj.log_probs[4:], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="does not fit"):

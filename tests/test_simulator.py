@@ -6,7 +6,6 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from planners import load_reward_table, synthetic_reward_table
@@ -20,15 +19,28 @@ REPO = Path(__file__).resolve().parents[1]
 
 def small_profile(**kw) -> Profile:
     base = dict(
-        name="small", prompts_per_iteration=4, group_size=4, num_steps=6, samples_per_job=2, job_step_s=1.0,
-        reward_gpu_s_per_sample=0.0, update_gpu_s=20.0, iterations_to_target=6, weight_sync_s=0.0,
-        node_startup_s=3.0, detect_s=2.0, poll_s=0.5, commit_every=2,
-    )  # fmt: skip
+        name="small",
+        prompts_per_iteration=4,
+        group_size=4,
+        num_steps=6,
+        samples_per_job=2,
+        job_step_s=1.0,
+        reward_gpu_s_per_sample=0.0,
+        update_gpu_s=20.0,
+        iterations_to_target=6,
+        weight_sync_s=0.0,
+        node_startup_s=3.0,
+        detect_s=2.0,
+        poll_s=0.5,
+        commit_every=2,
+    )
     return Profile(**{**base, **kw})
 
 
 def trace_of(*events, duration=1000.0) -> Trace:
-    return Trace(tuple(TraceEvent(t, n, k, lead) for t, n, k, lead in events), duration_s=duration, source="test", format="test")
+    return Trace(
+        tuple(TraceEvent(t, n, k, lead) for t, n, k, lead in events), duration_s=duration, source="test", format="test"
+    )
 
 
 def jobs(n: int) -> list[Job]:
@@ -136,8 +148,14 @@ def test_the_learning_model_gives_the_measured_iterations_ratios():
     # (from the second iteration on) reaches the target of 18 plain iterations in 1 + 17 / 1.5.
     prof = small_profile(iterations_to_target=18, selection_iterations_ratio=1.5, update_gpu_s=400.0)
     tab = synthetic_reward_table(seed=0, prompts_per_iteration=4, group_size=4, num_candidates=32)
-    big = Setup(profile=prof, trace=trace_of((0.0, "n0", "add", None), duration=100.0), table=tab, trainer_gpus=1, baseline_gpus=1,
-                planner="uniform")  # fmt: skip
+    big = Setup(
+        profile=prof,
+        trace=trace_of((0.0, "n0", "add", None), duration=100.0),
+        table=tab,
+        trainer_gpus=1,
+        baseline_gpus=1,
+        planner="uniform",
+    )
     assert simulate("ondemand", big).iterations == 18
     assert simulate("inline", big).iterations == 1 + math.ceil(17 / 1.5)
 
@@ -156,15 +174,27 @@ def test_the_learning_model_predicts_the_measured_curve_over_explorer_capacity()
     assert len(prompts) == 16
     for row in measured["stale"]:
         explored = {p: learning.pool for p in list(prompts)[: round(row["prompts_selected_per_iteration"])]}
-        predicted = learning.progress(prompts, explored, stale=True)  # iterations ratio: progress per iteration over plain GRPO's 1
+        predicted = learning.progress(
+            prompts, explored, stale=True
+        )  # iterations ratio: progress per iteration over plain GRPO's 1
         assert abs(predicted / row["ratio_median"] - 1) <= 0.2, (row, predicted)
 
 
 def setup(**kw) -> Setup:
     prof = kw.pop("profile", small_profile())
-    table = synthetic_reward_table(seed=0, prompts_per_iteration=prof.prompts_per_iteration, group_size=prof.group_size, num_candidates=32)
-    trace = kw.pop("trace", trace_of((0.0, "n0", "add", None), (0.0, "n1", "add", None), (40.0, "n1", "preempt", None),
-                                     (70.0, "n1", "add", None), duration=100.0))  # fmt: skip
+    table = synthetic_reward_table(
+        seed=0, prompts_per_iteration=prof.prompts_per_iteration, group_size=prof.group_size, num_candidates=32
+    )
+    trace = kw.pop(
+        "trace",
+        trace_of(
+            (0.0, "n0", "add", None),
+            (0.0, "n1", "add", None),
+            (40.0, "n1", "preempt", None),
+            (70.0, "n1", "add", None),
+            duration=100.0,
+        ),
+    )
     return Setup(**{"profile": prof, "trace": trace, "table": table, "trainer_gpus": 1, "baseline_gpus": 3, **kw})
 
 
@@ -184,7 +214,9 @@ def test_policies_reach_the_target_and_explore_within_budget():
     assert r.cost_usd == pytest.approx(3 * r.wall_s / 3600 * s.on_demand_usd_per_gpu_hour)
     rows = compare(results)
     assert rows["ondemand"]["cost_ratio_vs_ondemand"] == 1.0
-    assert rows["spotlight"]["cost_ratio_vs_ondemand"] == pytest.approx(r.cost_usd / results["spotlight"].cost_usd, rel=1e-3)
+    assert rows["spotlight"]["cost_ratio_vs_ondemand"] == pytest.approx(
+        r.cost_usd / results["spotlight"].cost_usd, rel=1e-3
+    )
 
 
 def test_spot_price_history_is_charged_by_interval():
@@ -196,7 +228,13 @@ def test_spot_price_history_is_charged_by_interval():
 
 def test_setup_and_profile_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="group size 8"):
-        Setup(profile=small_profile(), trace=None, table=synthetic_reward_table(group_size=8), trainer_gpus=1, baseline_gpus=1)
+        Setup(
+            profile=small_profile(),
+            trace=None,
+            table=synthetic_reward_table(group_size=8),
+            trainer_gpus=1,
+            baseline_gpus=1,
+        )
     with pytest.raises(ValueError, match="job_step_s"):
         small_profile(job_step_s=0.0)
     bad = tmp_path / "p.yaml"
@@ -241,7 +279,21 @@ def test_cli_writes_json_and_plots(tmp_path, capsys):
     prof = tmp_path / "prof.json"
     prof.write_text(json.dumps(small_profile(prompts_per_iteration=8, group_size=8).to_dict()))
     out = tmp_path / "sim"
-    rc = main(["simulate", "--synthetic", "--profile", str(prof), "--trainer-gpus", "1", "--spot-gpus", "2", "--out", str(out), "--json"])
+    rc = main(
+        [
+            "simulate",
+            "--synthetic",
+            "--profile",
+            str(prof),
+            "--trainer-gpus",
+            "1",
+            "--spot-gpus",
+            "2",
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )
     assert rc == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(rows) == set(POLICIES)
@@ -252,10 +304,30 @@ def test_cli_writes_json_and_plots(tmp_path, capsys):
     assert "--trace" in capsys.readouterr().err
     assert main(["simulate", "--synthetic", "--set", "node_startup_s=-1", "--out", str(out)]) == 2
     assert "node_startup_s" in capsys.readouterr().err
-    rc = main(["simulate", "--synthetic", "--profile", str(prof), "--set", "iterations_to_target=3", "--policies", "ondemand",
-               "--trainer-gpus", "1", "--spot-gpus", "2", "--out", str(out), "--json"])  # fmt: skip
+    rc = main(
+        [
+            "simulate",
+            "--synthetic",
+            "--profile",
+            str(prof),
+            "--set",
+            "iterations_to_target=3",
+            "--policies",
+            "ondemand",
+            "--trainer-gpus",
+            "1",
+            "--spot-gpus",
+            "2",
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )
     assert rc == 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ondemand"]["iterations"] < rows["ondemand"]["iterations"]
+    assert (
+        json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ondemand"]["iterations"]
+        < rows["ondemand"]["iterations"]
+    )
 
 
 def test_push_baseline_keeps_jobs_where_they_were_pushed():
@@ -266,8 +338,15 @@ def test_push_baseline_keeps_jobs_where_they_were_pushed():
     ends = {}
     for scheduler in ("push", "pull"):
         loop = EventLoop()
-        c = Cluster(loop, small_profile(), trace, on_demand_gpus=0, wrap=False, initial_ready=True,
-                    node_speed=lambda n: 1.0 if n == "n0" else 0.5)  # fmt: skip
+        c = Cluster(
+            loop,
+            small_profile(),
+            trace,
+            on_demand_gpus=0,
+            wrap=False,
+            initial_ready=True,
+            node_speed=lambda n: 1.0 if n == "n0" else 0.5,
+        )
         res = c.run_phase(jobs(4), 6, pools=(True,), scheduler=scheduler)
         assert res.done == set(range(4))
         ends[scheduler] = res.end_s

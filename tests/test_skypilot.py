@@ -53,9 +53,21 @@ WORKER_ENVS = {"HEAD_IP": "10.0.1.23", "MODELS_URL": "s3://my-bucket/models"}
 # SkyPilot's task schema, which rejects any other key; the SkyPilot test below checks the subset.
 TASK_KEYS = {"name", "workdir", "num_nodes", "resources", "envs", "secrets", "file_mounts", "setup", "run", "config"}
 RESOURCE_KEYS = {
-    "infra", "instance_type", "accelerators", "cpus", "memory", "use_spot", "disk_size", "disk_tier",
-    "any_of", "ordered", "job_recovery", "image_id", "ports", "labels",
-}  # fmt: skip
+    "infra",
+    "instance_type",
+    "accelerators",
+    "cpus",
+    "memory",
+    "use_spot",
+    "disk_size",
+    "disk_tier",
+    "any_of",
+    "ordered",
+    "job_recovery",
+    "image_id",
+    "ports",
+    "labels",
+}
 STORAGE_KEYS = {"name", "source", "store", "mode", "persistent"}
 STORAGE_MODES = {"MOUNT", "COPY", "MOUNT_CACHED"}
 RECOVERY_STRATEGIES = {"FAILOVER", "EAGER_NEXT_REGION"}
@@ -144,13 +156,13 @@ def test_tasks_carry_what_skypilot_requires(head, worker):
 @pytest.mark.parametrize(
     "break_it",
     [
-        lambda t: t.update(resource=t.pop("resources")),                      # top-level typo
+        lambda t: t.update(resource=t.pop("resources")),  # top-level typo
         lambda t: t["resources"].update(use_spots=t["resources"].pop("use_spot")),
         lambda t: t["resources"]["any_of"][0].update(instance=t["resources"]["any_of"][0].pop("instance_type")),
         lambda t: t["resources"]["job_recovery"].update(strategy="RETRY"),
         lambda t: t["resources"].update(infra="us-east-1"),
         lambda t: t["file_mounts"]["/models"].update(mode="SYNC"),
-        lambda t: t["envs"].pop("MODELS_URL"),                                # file_mounts' ${MODELS_URL}
+        lambda t: t["envs"].pop("MODELS_URL"),  # file_mounts' ${MODELS_URL}
     ],
     ids=["task-key", "resources-key", "any_of-key", "recovery-strategy", "infra", "mount-mode", "undeclared-env"],
 )
@@ -260,7 +272,7 @@ def ray_start_params(args: list[str]) -> dict:
 def test_setup_installs_spotlight_with_this_ray_on_every_node(head, worker, tmp_path):
     assert head["setup"] == worker["setup"]  # one environment on every node of the Ray cluster
     commands = run_script(head["setup"], tmp_path, task_env(head, HEAD_ENVS))
-    assert [c["cmd"] for c in commands][0] == "python3"  # the venv, made once
+    assert commands[0]["cmd"] == "python3"  # the venv, made once
     installs = [c["args"] for c in commands if c["cmd"] == "pip" and "-e" in c["args"]]
     assert len(installs) == 1 and installs[0][installs[0].index("-e") + 1] == "."  # this checkout (the workdir)
     assert f"ray[default]=={ray.__version__}" in installs[0]  # every node's Ray the same, and the tests'
@@ -324,7 +336,9 @@ def test_a_bad_override_or_ray_flag_in_the_head_is_caught(head, tmp_path, monkey
 
 @pytest.mark.parametrize("gpus", ["1", "8"])
 def test_worker_joins_the_head_watches_for_notices_and_leaves_with_it(worker, tmp_path, gpus):
-    env = task_env(worker, WORKER_ENVS, SKYPILOT_NODE_IPS="10.0.2.7", SKYPILOT_NODE_RANK="0", SKYPILOT_NUM_GPUS_PER_NODE=gpus)
+    env = task_env(
+        worker, WORKER_ENVS, SKYPILOT_NODE_IPS="10.0.2.7", SKYPILOT_NODE_RANK="0", SKYPILOT_NUM_GPUS_PER_NODE=gpus
+    )
     # The head answers the wait and two keep-alive checks, then never again: the loop must end.
     commands = run_task(worker, tmp_path, env, healthy_checks=3)
     head = f"{WORKER_ENVS['HEAD_IP']}:6379"
@@ -333,7 +347,9 @@ def test_worker_joins_the_head_watches_for_notices_and_leaves_with_it(worker, tm
     assert len(starts) == 1
     params = ray_start_params(starts[0]["args"])
     assert params["address"] == head and not params["head"]
-    assert params["num_gpus"] == int(gpus) and json.loads(params["resources"]) == {SPOT: int(gpus)}  # a `spot` unit per GPU
+    assert params["num_gpus"] == int(gpus) and json.loads(params["resources"]) == {
+        SPOT: int(gpus)
+    }  # a `spot` unit per GPU
     assert params["dashboard_agent_listen_port"] not in SKYPILOT_RAY_PORTS
     checks = [c for c in commands if c["cmd"] == "ray" and c["args"][:1] == ["health-check"]]
     assert all(c["args"] == ["health-check", f"--address={head}"] for c in checks)
@@ -390,7 +406,9 @@ SKYPILOT_CHECK = textwrap.dedent(
             required = "accepted without its --env values"
         except ValueError as e:
             required = str(e)
-        task = sky.Task.from_yaml_config(config, env_overrides=list(envs.items()), secrets_overrides=list(secrets.items()) or None)
+        task = sky.Task.from_yaml_config(
+            config, env_overrides=list(envs.items()), secrets_overrides=list(secrets.items()) or None
+        )
         task.validate()
         out["tasks"][path] = {
             "required": required,
@@ -421,13 +439,20 @@ p5.48xlarge,H100,8.0,192.0,2048.0,,,,us-east-1,use1-az1
 """
 
 
-@pytest.mark.skipif(not os.environ.get("SPOTLIGHT_SKYPILOT_PYTHON"), reason="SPOTLIGHT_SKYPILOT_PYTHON (an interpreter with skypilot) not set")
+@pytest.mark.skipif(
+    not os.environ.get("SPOTLIGHT_SKYPILOT_PYTHON"),
+    reason="SPOTLIGHT_SKYPILOT_PYTHON (an interpreter with skypilot) not set",
+)
 def test_skypilot_accepts_the_tasks(worker, tmp_path):
     home = tmp_path / "home"
     catalog = home / ".sky" / "catalogs"
     python = os.environ["SPOTLIGHT_SKYPILOT_PYTHON"]
-    version = subprocess.run([python, "-c", "from sky.skylet import constants; print(constants.CATALOG_SCHEMA_VERSION)"],
-                             capture_output=True, text=True, env={"HOME": str(home), "PATH": os.environ["PATH"]})  # fmt: skip
+    version = subprocess.run(
+        [python, "-c", "from sky.skylet import constants; print(constants.CATALOG_SCHEMA_VERSION)"],
+        capture_output=True,
+        text=True,
+        env={"HOME": str(home), "PATH": os.environ["PATH"]},
+    )
     assert version.returncode == 0, version.stderr
     (catalog / version.stdout.strip() / "aws").mkdir(parents=True)
     (catalog / version.stdout.strip() / "aws" / "vms.csv").write_text(CATALOG)
@@ -440,17 +465,31 @@ def test_skypilot_accepts_the_tasks(worker, tmp_path):
         "broken_envs": WORKER_ENVS,
     }
     # No AWS credentials and no instance metadata: SkyPilot falls back to its defaults.
-    env = {"HOME": str(home), "PATH": os.environ["PATH"], "AWS_EC2_METADATA_DISABLED": "true",
-           "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}  # fmt: skip
-    done = subprocess.run([python, "-c", SKYPILOT_CHECK], input=json.dumps(spec), cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    env = {
+        "HOME": str(home),
+        "PATH": os.environ["PATH"],
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }
+    done = subprocess.run(
+        [python, "-c", SKYPILOT_CHECK],
+        input=json.dumps(spec),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert TASK_KEYS <= set(out["task_keys"]) and RESOURCE_KEYS <= set(out["resource_keys"])  # our subset is real
     head_out, worker_out = out["tasks"][str(HEAD)], out["tasks"][str(WORKER)]
     assert "STORE_URL" in head_out["required"] and "HEAD_IP" in worker_out["required"]  # null envs: --env needed
     assert head_out["resources"] == [["p5.4xlarge", False, "us-east-1", 500, None]]
-    assert worker_out["resources"] == sorted([t, True, "us-east-1", 300, "FAILOVER"] for t in ("p5.4xlarge", "p5.48xlarge"))
+    assert worker_out["resources"] == sorted(
+        [t, True, "us-east-1", 300, "FAILOVER"] for t in ("p5.4xlarge", "p5.48xlarge")
+    )
     for t in (head_out, worker_out):
         assert t["storage"] == {"/models": [WORKER_ENVS["MODELS_URL"], "COPY"]}
     assert head_out["secrets"] == ["WANDB_API_KEY"]

@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from test_ulysses import TOL, _stock, _tiny_model_and_inputs
 
 from spotlight.config import DiTRecipe, ParallelConfig
 from spotlight.config_io import load_config
 from spotlight.parallel import SPContext, install_ulysses, ulysses_forward
-from test_ulysses import TOL, _stock, _tiny_model_and_inputs
 
 RECIPE = "configs/dit/tiny-shapes.yaml"
 
@@ -80,8 +80,16 @@ def test_the_cli_says_which_field_and_leaves_no_run_dir(monkeypatch, tmp_path, c
 
     monkeypatch.setattr(spotlight.spot_runtime, "import_ray_on_loopback", _must_not_run("the local cluster"))
     run = tmp_path / "run"
-    args = ["train", RECIPE, "--run-dir", str(run), "--quiet", "runtime.rollouts=cluster", "explore.mode=none",
-            "parallel.sp_backend=xfuser"]  # fmt: skip
+    args = [
+        "train",
+        RECIPE,
+        "--run-dir",
+        str(run),
+        "--quiet",
+        "runtime.rollouts=cluster",
+        "explore.mode=none",
+        "parallel.sp_backend=xfuser",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "parallel.sp_backend=xfuser runs on CUDA only" in err and "model.device is 'cpu'" in err, err
@@ -105,7 +113,9 @@ def test_a_cuda_machine_without_xfuser_is_told_how_to_install_it(monkeypatch):
     monkeypatch.setattr(spotlight.policy, "load_policy", _must_not_run("load_policy"))
     monkeypatch.setattr(importlib.metadata, "version", version)
     hint = "pip install 'spotlight-rl[gpu]'"
-    with pytest.raises(ImportError, match=r"parallel\.sp_backend=xfuser needs xfuser \(xDiT\), which is not installed") as e:
+    with pytest.raises(
+        ImportError, match=r"parallel\.sp_backend=xfuser needs xfuser \(xDiT\), which is not installed"
+    ) as e:
         DiTRunner(_cfg("parallel.sp_backend=xfuser", "model.device=cuda"))
     assert hint in str(e.value)
 
@@ -184,10 +194,16 @@ def test_xfuser_at_degree_1_on_cuda_matches_ours(tmp_path):
                 ctx.set_group(None)
                 dist.destroy_process_group()
             scale = max(1.0, stock.abs().max().item())
-            results[dtype] = {name: ((out - ours).abs().max().item(), (out - stock).abs().max().item()) for name, out in got.items()}
-            print(f"{dtype}: max |xfuser - ours|, |xfuser - stock| = {results[dtype]}, |ours - stock| = "
-                  f"{(ours - stock).abs().max().item():.3g}, scale {scale:.3g}")  # fmt: skip
-            tol_ours, tol_stock = (1e-5 * scale, 1e-4 * scale) if dtype == torch.float32 else (2e-2 * scale, 5e-2 * scale)
+            results[dtype] = {
+                name: ((out - ours).abs().max().item(), (out - stock).abs().max().item()) for name, out in got.items()
+            }
+            print(
+                f"{dtype}: max |xfuser - ours|, |xfuser - stock| = {results[dtype]}, |ours - stock| = "
+                f"{(ours - stock).abs().max().item():.3g}, scale {scale:.3g}"
+            )
+            tol_ours, tol_stock = (
+                (1e-5 * scale, 1e-4 * scale) if dtype == torch.float32 else (2e-2 * scale, 5e-2 * scale)
+            )
             for name, (vs_ours, vs_stock) in results[dtype].items():
                 assert vs_ours <= tol_ours, (dtype, name, vs_ours)
                 assert vs_stock <= tol_stock, (dtype, name, vs_stock)

@@ -71,7 +71,20 @@ def test_selection_figures_against_the_oracle_and_random_choices(bench):
 
 def test_stale_ranking_tiny_run(bench, tiny_model_dir, capsys):
     stale_ranking, _ = bench
-    args = ["--iterations", "3", "--measure-every", "1", "--staleness", "1", "2", "--probe-prompts", "2", "--seeds", "6", "--quiet"]
+    args = [
+        "--iterations",
+        "3",
+        "--measure-every",
+        "1",
+        "--staleness",
+        "1",
+        "2",
+        "--probe-prompts",
+        "2",
+        "--seeds",
+        "6",
+        "--quiet",
+    ]
     lines = stale_ranking.main([*args, *tiny_overrides(tiny_model_dir), JPEG, "--explore-steps", "2"])
     printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert len(printed) == len(lines) == 2
@@ -90,7 +103,19 @@ def test_stale_ranking_tiny_run(bench, tiny_model_dir, capsys):
 def test_frozen_weights_rank_seeds_identically(bench, tiny_model_dir):
     """With lr 0 the stale weights equal the fresh ones, so every seed's reward repeats exactly."""
     stale_ranking, _ = bench
-    args = ["--iterations", "2", "--measure-every", "1", "--staleness", "1", "--probe-prompts", "2", "--seeds", "6", "--quiet"]
+    args = [
+        "--iterations",
+        "2",
+        "--measure-every",
+        "1",
+        "--staleness",
+        "1",
+        "--probe-prompts",
+        "2",
+        "--seeds",
+        "6",
+        "--quiet",
+    ]
     (line,) = stale_ranking.main([*args, *tiny_overrides(tiny_model_dir), JPEG, "train.lr=0"])
     assert line["frac_same_reward"] == 1.0
     assert line["num_pairs"] == 2 and math.isclose(line["kendall_tau_stale"], 1.0)
@@ -129,7 +154,9 @@ def test_record_reward_table_with_stale_rewards(bench, tiny_model_dir, tmp_path)
     stale_ranking, record = bench
     out = tmp_path / "table.npz"
     overrides = [*tiny_overrides(tiny_model_dir), JPEG, "train.lr=1e-2"]
-    line = record.main(["--iterations", "2", "--candidates", "6", "--staleness", "1", "--out", str(out), "--quiet", *overrides])
+    line = record.main(
+        ["--iterations", "2", "--candidates", "6", "--staleness", "1", "--out", str(out), "--quiet", *overrides]
+    )
     assert line["staleness"] == 1
     table = load_reward_table(out)
     assert table.staleness == 1 and table.explored is not None and len(table.explored) == 2
@@ -143,7 +170,9 @@ def test_record_reward_table_with_stale_rewards(bench, tiny_model_dir, tmp_path)
     prompts, _, sde_steps = plan_iteration(run.cfg, run.train_prompts, 1)
     groups = prompts[::4]
     seeds = [s for p in range(len(groups)) for s in record.candidate_seeds(run.cfg.train.seed, 1, p, 0, 6)]
-    theta0 = stale_ranking.sample_rewards(run, run.policy, [p for p in groups for _ in range(6)], seeds, sde_steps).reshape(len(groups), 6)
+    theta0 = stale_ranking.sample_rewards(
+        run, run.policy, [p for p in groups for _ in range(6)], seeds, sde_steps
+    ).reshape(len(groups), 6)
     np.testing.assert_array_equal(np.stack([table.explored[1][p] for p in groups]), theta0)
     # The fresh rewards of iteration 1 come from θ_1, after one update at a large learning rate.
     assert not np.array_equal(np.stack([table.iterations[1][p] for p in groups]), theta0)

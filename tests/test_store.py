@@ -20,8 +20,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from s3_server import FAKE_KEY_ID, FAKE_SECRET, SECRETS, fake_aws_environment, moto_s3
+
 from spot.s3 import S3Options, S3Store, redact
 from spot.store import LocalStore, open_store
 from spot.store_base import MANIFEST_NAME, IncompleteError, MissingKeyError, StoreError
@@ -45,9 +45,18 @@ def moto_endpoint():
 
 def s3_options(endpoint: str, **overrides) -> S3Options:
     """Small parts so that multipart really happens, and quick retries."""
-    settings = dict(endpoint_url=endpoint, region="us-east-1", multipart_threshold=1 * MiB,
-                    multipart_chunksize=5 * MiB, request_attempts=2, attempts=2, backoff_s=0.05,
-                    max_backoff_s=0.2, connect_timeout_s=2, read_timeout_s=10)
+    settings = dict(
+        endpoint_url=endpoint,
+        region="us-east-1",
+        multipart_threshold=1 * MiB,
+        multipart_chunksize=5 * MiB,
+        request_attempts=2,
+        attempts=2,
+        backoff_s=0.05,
+        max_backoff_s=0.2,
+        connect_timeout_s=2,
+        read_timeout_s=10,
+    )
     settings.update(overrides)
     return S3Options(**settings)
 
@@ -77,8 +86,7 @@ def read_folder(path: Path) -> dict[str, bytes]:
     return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
-CKPT = {"lora.safetensors": b"\x01" * 1000, "meta.json": b'{"step": 1}', "sub/rng.json": b"[1, 2]",
-        "empty.txt": b""}
+CKPT = {"lora.safetensors": b"\x01" * 1000, "meta.json": b'{"step": 1}', "sub/rng.json": b"[1, 2]", "empty.txt": b""}
 
 
 def test_objects_round_trip(store, tmp_path):
@@ -137,7 +145,8 @@ def test_publish_and_fetch_dir(store, tmp_path):
     (src / "sub" / "rng.json").unlink()
     store.publish_dir("run/step-00000001", src)
     assert store.list("run/step-00000001/") == sorted(
-        f"run/step-00000001/{n}" for n in ("lora.safetensors", "meta.json", "empty.txt", MANIFEST_NAME))
+        f"run/step-00000001/{n}" for n in ("lora.safetensors", "meta.json", "empty.txt", MANIFEST_NAME)
+    )
     assert read_folder(store.fetch_dir("run/step-00000001", tmp_path / "again")) == read_folder(src)
 
     (src / MANIFEST_NAME).write_text("{}")
@@ -220,8 +229,13 @@ def test_publish_killed_midway_is_never_visible(store, tmp_path):
     src = make_folder(tmp_path / "ckpt", CKPT)
     store.publish_dir("run/step-00000001", src)
     endpoint = store.options.endpoint_url if isinstance(store, S3Store) else ""
-    child = subprocess.run([sys.executable, "-c", _PUBLISH_THEN_DIE, store.url, endpoint, str(src)],
-                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    child = subprocess.run(
+        [sys.executable, "-c", _PUBLISH_THEN_DIE, store.url, endpoint, str(src)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert len(store.list("run/step-00000002/")) == 2  # it really died midway
     assert store.latest("run") == "run/step-00000001"
@@ -294,8 +308,9 @@ def test_s3_outage_midway_retries_then_fails_with_nothing_visible(moto_endpoint,
         flaky.publish_dir("run/step-00000002", src)
     assert time.monotonic() - start < 15
     message = str(info.value)
-    assert message.startswith(f"{prefix}/run/step-00000002: publish_dir failed, no new version is visible; "
-                              f"{prefix}/run/step-00000002/")  # then the object whose upload failed
+    assert message.startswith(
+        f"{prefix}/run/step-00000002: publish_dir failed, no new version is visible; {prefix}/run/step-00000002/"
+    )  # then the object whose upload failed
     assert "failed after 3 operation tries" in message
     assert "Could not connect to the endpoint URL" in message
     assert sum("retrying in" in r.getMessage() for r in caplog.records) == 2
@@ -311,8 +326,11 @@ def test_s3_endpoint_down_fails_fast_and_clearly(tmp_path):
     store = open_store(url, s3=s3_options(f"http://127.0.0.1:{closed_port()}", request_attempts=1))
     src = make_folder(tmp_path / "ckpt", CKPT)
     start = time.monotonic()
-    for op in (lambda: store.publish_dir("run/step-00000001", src), lambda: store.latest("run"),
-               lambda: store.get_bytes("x.bin")):
+    for op in (
+        lambda: store.publish_dir("run/step-00000001", src),
+        lambda: store.latest("run"),
+        lambda: store.get_bytes("x.bin"),
+    ):
         with pytest.raises(StoreError, match=rf"^{url}/.*failed after 2 operation tries: EndpointConnectionError"):
             op()
     assert time.monotonic() - start < 10  # 3 operations x 2 tries, sub-second backoff
@@ -328,9 +346,11 @@ def test_credentials_never_leak(moto_endpoint, tmp_path, caplog):
     store.fetch_dir(store.latest("run"), tmp_path / "fetched")
     store.put_bytes("run/step-00000001/meta.json", b"corrupt")
     errors = []
-    for op in (lambda: store.get_bytes("missing"),
-               lambda: store.fetch_dir("run/step-00000001", tmp_path / "refused"),
-               lambda: open_store(url, s3=s3_options(f"http://127.0.0.1:{closed_port()}", request_attempts=1)).exists("x")):
+    for op in (
+        lambda: store.get_bytes("missing"),
+        lambda: store.fetch_dir("run/step-00000001", tmp_path / "refused"),
+        lambda: open_store(url, s3=s3_options(f"http://127.0.0.1:{closed_port()}", request_attempts=1)).exists("x"),
+    ):
         with pytest.raises(StoreError) as info:
             op()
         errors.append(info.value)
@@ -343,8 +363,11 @@ def test_credentials_never_leak(moto_endpoint, tmp_path, caplog):
     errors.append(info.value)
 
     assert "Credential=***" in caplog.text  # the request dumps were logged, masked
-    texts = {"logs": caplog.text, "repr": repr(store),
-             "errors": "".join("".join(traceback.format_exception(e)) for e in errors)}
+    texts = {
+        "logs": caplog.text,
+        "repr": repr(store),
+        "errors": "".join("".join(traceback.format_exception(e)) for e in errors),
+    }
     texts.update({str(p): p.read_bytes().decode("latin-1") for p in tmp_path.rglob("*") if p.is_file()})
     texts.update({k: store.get_bytes(k).decode("latin-1") for k in store.list()})
     for where, text in texts.items():
@@ -353,8 +376,10 @@ def test_credentials_never_leak(moto_endpoint, tmp_path, caplog):
 
 
 def test_redact_masks_header_forms():
-    dump = ("headers={'Authorization': b'AWS4-HMAC-SHA256 Credential=AKIAXYZ/20250101/us-east-1/s3/"
-            "aws4_request, Signature=ab', 'X-Amz-Security-Token': b'tok123'}\nx-amz-security-token:tok123")
+    dump = (
+        "headers={'Authorization': b'AWS4-HMAC-SHA256 Credential=AKIAXYZ/20250101/us-east-1/s3/"
+        "aws4_request, Signature=ab', 'X-Amz-Security-Token': b'tok123'}\nx-amz-security-token:tok123"
+    )
     clean = redact(dump)
     assert "AKIAXYZ" not in clean and "tok123" not in clean and "Credential=***/20250101" in clean
 
@@ -365,9 +390,13 @@ def test_open_store_urls(tmp_path, moto_endpoint):
     assert open_store((tmp_path / "a").as_uri()).root == tmp_path / "a"
     s3 = open_store(f"s3://{BUCKET}/runs/exp1/", s3=s3_options(moto_endpoint))
     assert isinstance(s3, S3Store) and s3.url == f"s3://{BUCKET}/runs/exp1" and s3.prefix == "runs/exp1"
-    for bad, match in (("gs://bucket/x", "unsupported store URL scheme"), ("s3:///x", "no bucket"),
-                       ("file://host/x", "no host"), ("s3://bucket/../x", "store key"),
-                       ("s3://My_Bucket/x", "bucket in an s3:// URL")):
+    for bad, match in (
+        ("gs://bucket/x", "unsupported store URL scheme"),
+        ("s3:///x", "no bucket"),
+        ("file://host/x", "no host"),
+        ("s3://bucket/../x", "store key"),
+        ("s3://My_Bucket/x", "bucket in an s3:// URL"),
+    ):
         with pytest.raises(ValueError, match=match):
             open_store(bad)
     with pytest.raises(ValueError, match="multipart_chunksize"):

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from test_cli import tiny_overrides
 
-from spotlight.time_budget import IterationBudget
 from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
 from spotlight.config import DiTRecipe
 from spotlight.config_io import load_config
+from spotlight.time_budget import IterationBudget
 from spotlight.tracking import read_metrics
-from test_cli import tiny_overrides
 
 
 class FakeClock:
@@ -66,7 +66,9 @@ def test_no_limit_and_bad_values():
         IterationBudget(1.0, window=0)
 
 
-@pytest.mark.parametrize("command", [["config", "configs/dit/tiny-shapes.yaml"], ["vlm", "config", "configs/vlm/tiny-count.yaml"]])
+@pytest.mark.parametrize(
+    "command", [["config", "configs/dit/tiny-shapes.yaml"], ["vlm", "config", "configs/vlm/tiny-count.yaml"]]
+)
 def test_negative_budget_is_refused_naming_the_field(capsys, command):
     assert main([*command, "train.max_minutes=-1"]) == 2
     assert "train.max_minutes" in capsys.readouterr().err
@@ -80,7 +82,9 @@ def test_recipe_budget_leaves_room_for_start_up_within_15_minutes():
 def test_train_stops_before_the_iteration_that_would_overrun(tiny_model_dir, tmp_path, capsys):
     run_dir = tmp_path / "run"
     minutes = 0.1  # 6 s: a few tiny iterations, far fewer than the 500 asked for
-    code = main(["train", *tiny_overrides(tiny_model_dir, 500), f"train.max_minutes={minutes}", "--run-dir", str(run_dir)])
+    code = main(
+        ["train", *tiny_overrides(tiny_model_dir, 500), f"train.max_minutes={minutes}", "--run-dir", str(run_dir)]
+    )
     assert code == 0
     out = capsys.readouterr().out
     rows = read_metrics(run_dir)
@@ -130,7 +134,14 @@ def test_bad_cooldown_is_refused_naming_the_field(capsys, override):
 def test_the_learning_rate_cools_down_at_the_end_of_the_budget_or_of_the_iterations(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     minutes = 0.1
-    args = [*tiny_overrides(tiny_model_dir, 500), f"train.max_minutes={minutes}", "train.lr_cooldown=0.6", "--run-dir", str(run_dir), "--quiet"]
+    args = [
+        *tiny_overrides(tiny_model_dir, 500),
+        f"train.max_minutes={minutes}",
+        "train.lr_cooldown=0.6",
+        "--run-dir",
+        str(run_dir),
+        "--quiet",
+    ]
     assert main(["train", *args]) == 0
     scales = [r["grpo/lr_scale"] for r in read_metrics(run_dir)]
     assert scales[0] == 1.0 and 0.1 <= scales[-1] < 1.0
@@ -139,10 +150,20 @@ def test_the_learning_rate_cools_down_at_the_end_of_the_budget_or_of_the_iterati
     # lr_cooldown of the iterations instead: the same schedule whatever its speed. Progress after
     # iteration k of 4 is k/4, so with lr_cooldown 0.5 and floor 0.1 the factors are 1, 1, 0.55, 0.1.
     by_iterations = tmp_path / "by_iterations"
-    args = [*tiny_overrides(tiny_model_dir, 4), "train.max_minutes=60", "train.lr_cooldown=0.5", "--run-dir", str(by_iterations), "--quiet"]
+    args = [
+        *tiny_overrides(tiny_model_dir, 4),
+        "train.max_minutes=60",
+        "train.lr_cooldown=0.5",
+        "--run-dir",
+        str(by_iterations),
+        "--quiet",
+    ]
     assert main(["train", *args]) == 0
     assert [r["grpo/lr_scale"] for r in read_metrics(by_iterations)] == pytest.approx([1.0, 1.0, 0.55, 0.1])
     # Without a time budget there is no cooldown (and no metric for it).
     plain = tmp_path / "plain"
-    assert main(["train", *tiny_overrides(tiny_model_dir, 2), "train.max_minutes=0", "--run-dir", str(plain), "--quiet"]) == 0
+    assert (
+        main(["train", *tiny_overrides(tiny_model_dir, 2), "train.max_minutes=0", "--run-dir", str(plain), "--quiet"])
+        == 0
+    )
     assert all("grpo/lr_scale" not in r for r in read_metrics(plain))

@@ -28,16 +28,30 @@ def tiny_config(num_heads: int, num_kv_heads: int, vision_heads: int):
     section = [half - 2 * (half // 3), half // 3, half // 3]
     return Qwen2_5_VLConfig(
         text_config=dict(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads, vocab_size=256, tie_word_embeddings=False,
-            rope_scaling={"type": "mrope", "mrope_section": section}, bos_token_id=0, eos_token_id=1,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            vocab_size=256,
+            tie_word_embeddings=False,
+            rope_scaling={"type": "mrope", "mrope_section": section},
+            bos_token_id=0,
+            eos_token_id=1,
         ),
         vision_config=dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=vision_heads, out_hidden_size=64,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1],
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=vision_heads,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            fullatt_block_indexes=[1],
         ),
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")

@@ -97,10 +97,13 @@ def test_formats_are_detected_from_content_and_agree(tmp_path):
 def test_count_formats_preempt_the_newest_node_first(tmp_path):
     trace = load_trace(_write(tmp_path, "s.json", '{"metadata": {"gap_seconds": 10}, "data": [3, 1, 2]}'))
     assert [(ev.t_s, ev.kind, ev.node_id) for ev in trace.events] == [
-        (0.0, "add", "node-0"), (0.0, "add", "node-1"), (0.0, "add", "node-2"),
-        (10.0, "preempt", "node-2"), (10.0, "preempt", "node-1"),
+        (0.0, "add", "node-0"),
+        (0.0, "add", "node-1"),
+        (0.0, "add", "node-2"),
+        (10.0, "preempt", "node-2"),
+        (10.0, "preempt", "node-1"),
         (20.0, "add", "node-3"),
-    ]  # fmt: skip
+    ]
 
 
 def test_format_override_and_unknown_format(tmp_path):
@@ -127,11 +130,31 @@ CORRUPTIONS = [
     ("parcae-csv", "p.csv", "0,add,a\n10,remove,b\n", r"2: node 'b' is removed but is not present"),
     ("parcae-csv", "p.csv", "0,add,a\n10,add,a\n", r"2: node 'a' is added while it is already present"),
     ("parcae-csv", "p.csv", "-5,add,a\n", r"1: field 1 \(time, ms\) must be finite and >= 0"),
-    ("parcae-jsonl", "p.jsonl", '[0, "add", {"nodes": ["a"]}]\n[10, "add", {"nodes": ["b"]]\n', r"2: column \d+: not JSON"),
-    ("parcae-jsonl", "p.jsonl", '[0, "add", {"nodes": ["a"]}]\n["x", "add", {"nodes": ["b"]}]\n', r"2: element 0 \(time, ms\) is not a number"),
-    ("parcae-jsonl", "p.jsonl", '[0, "add", {"nodes": ["a"]}]\n[10, "add", {"duration": 5}]\n', r"2: field 'nodes' must be a list"),
+    (
+        "parcae-jsonl",
+        "p.jsonl",
+        '[0, "add", {"nodes": ["a"]}]\n[10, "add", {"nodes": ["b"]]\n',
+        r"2: column \d+: not JSON",
+    ),
+    (
+        "parcae-jsonl",
+        "p.jsonl",
+        '[0, "add", {"nodes": ["a"]}]\n["x", "add", {"nodes": ["b"]}]\n',
+        r"2: element 0 \(time, ms\) is not a number",
+    ),
+    (
+        "parcae-jsonl",
+        "p.jsonl",
+        '[0, "add", {"nodes": ["a"]}]\n[10, "add", {"duration": 5}]\n',
+        r"2: field 'nodes' must be a list",
+    ),
     ("parcae-jsonl", "p.jsonl", '[0, "add", {"nodes": ["a"]}]\n[10, "add"]\n', r"2: expected \[ms, kind"),
-    ("parcae-jsonl", "p.jsonl", '[50, "add", {"nodes": ["a"]}]\n[10, "no-op", {"nodes": []}]\n', r"2: time 0.01 s goes backwards"),
+    (
+        "parcae-jsonl",
+        "p.jsonl",
+        '[50, "add", {"nodes": ["a"]}]\n[10, "no-op", {"nodes": []}]\n',
+        r"2: time 0.01 s goes backwards",
+    ),
     ("parcae-jsonl", "p.jsonl", '[0, "evict", {"nodes": ["a"]}]\n', r"1: element 1 \(event\) must be"),
     ("bamboo-csv", "b.csv", "0,2\n10,two\n", r"2: field 2 \(instance count\) is not an integer: 'two'"),
     ("bamboo-csv", "b.csv", "0,2\n10,1.5\n", r"2: field 2 \(instance count\) is not an integer"),
@@ -142,10 +165,25 @@ CORRUPTIONS = [
     ("skypilot-json", "s.json", '{"metadata": {"gap_seconds": 300},\n "data": [1, 2,, 3]}', r"2: column 16: not JSON"),
     ("skypilot-json", "s.json", '{"metadata": {}, "data": [1, 2]}', r"1: missing metadata.gap_seconds"),
     ("skypilot-json", "s.json", '{"metadata": {"gap_seconds": 300}}', r"1: expected an object with a 'data' list"),
-    ("skypilot-json", "s.json", '{"metadata": {"gap_seconds": 300},\n "data": [1, 2, "3", 4]}', r"2: column 17: data\[2\] must be a count >= 0, got '3'"),
-    ("skypilot-json", "s.json", '{"metadata": {"gap_seconds": 300}, "data": [1, -2]}', r"1: column 48: data\[1\] must be a count"),
-    ("skypilot-json", "s.json", '{"metadata": {"gap_seconds": 0}, "data": [1]}', r"1: metadata.gap_seconds must be > 0"),
-]  # fmt: skip
+    (
+        "skypilot-json",
+        "s.json",
+        '{"metadata": {"gap_seconds": 300},\n "data": [1, 2, "3", 4]}',
+        r"2: column 17: data\[2\] must be a count >= 0, got '3'",
+    ),
+    (
+        "skypilot-json",
+        "s.json",
+        '{"metadata": {"gap_seconds": 300}, "data": [1, -2]}',
+        r"1: column 48: data\[1\] must be a count",
+    ),
+    (
+        "skypilot-json",
+        "s.json",
+        '{"metadata": {"gap_seconds": 0}, "data": [1]}',
+        r"1: metadata.gap_seconds must be > 0",
+    ),
+]
 
 
 @pytest.mark.parametrize("fmt,name,text,message", CORRUPTIONS, ids=[f"{c[0]}-{i}" for i, c in enumerate(CORRUPTIONS)])
@@ -200,18 +238,22 @@ def test_compressed_scales_times_and_leads():
 def test_notices_are_cut_to_the_node_lifetime_and_ordered_before_their_preemption():
     timeline = _toy().with_notices(30.0).timeline()
     assert [(ev.t_s, ev.kind, ev.node_id, ev.notice_lead_s) for ev in timeline] == [
-        (0.0, "add", "a", None), (0.0, "add", "b", None),
-        (70.0, "notice", "a", 30.0), (100.0, "preempt", "a", 30.0),
+        (0.0, "add", "a", None),
+        (0.0, "add", "b", None),
+        (70.0, "notice", "a", 30.0),
+        (100.0, "preempt", "a", 30.0),
         (150.0, "add", "c", None),
         (150.0, "notice", "c", 10.0),  # c lived 10 s: its notice comes when it joins
         (160.0, "preempt", "c", 10.0),
-        (270.0, "notice", "b", 30.0), (300.0, "preempt", "b", 30.0),
-    ]  # fmt: skip
+        (270.0, "notice", "b", 30.0),
+        (300.0, "preempt", "b", 30.0),
+    ]
     assert [ev.kind for ev in _toy().timeline()].count("notice") == 0
 
 
 def test_notice_fraction_is_seeded():
     trace = synthetic_trace(num_nodes=4, duration_s=36_000, preemptions_per_node_hour=1, replacement_delay_s=60, seed=1)
+
     def warned(seed):
         events = trace.with_notices(120, fraction=0.5, seed=seed).events
         return [ev.notice_lead_s is not None for ev in events if ev.kind == "preempt"]
@@ -261,10 +303,22 @@ def test_a_looped_replay_warns_the_nodes_it_ends_at_the_wrap():
     (the next pass starts from the initial nodes): with notices, they are warned like the trace's own."""
     from spot.replay import TraceReplayer
 
-    trace = Trace((TraceEvent(0, "a", "add"), TraceEvent(1, "b", "add"), TraceEvent(3, "a", "preempt"),
-                   TraceEvent(4, "c", "add"), TraceEvent(6, "c", "preempt")), 10.0, "t", "test")  # fmt: skip
+    trace = Trace(
+        (
+            TraceEvent(0, "a", "add"),
+            TraceEvent(1, "b", "add"),
+            TraceEvent(3, "a", "preempt"),
+            TraceEvent(4, "c", "add"),
+            TraceEvent(6, "c", "preempt"),
+        ),
+        10.0,
+        "t",
+        "test",
+    )
     timeline = TraceReplayer._with_wrap_preemptions(trace.with_notices(2.5))
     assert [(ev.t_s, ev.node_id, ev.kind, ev.notice_lead_s) for ev in timeline if ev.t_s >= 6] == [
-        (6, "c", "preempt", 2), (7.5, "b", "notice", 2.5), (10.0, "b", "preempt", 2.5),
-    ]  # fmt: skip
+        (6, "c", "preempt", 2),
+        (7.5, "b", "notice", 2.5),
+        (10.0, "b", "preempt", 2.5),
+    ]
     assert [ev.kind for ev in TraceReplayer._with_wrap_preemptions(trace) if ev.node_id == "b"] == ["add", "preempt"]

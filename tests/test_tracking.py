@@ -67,9 +67,7 @@ def test_tracker_logs_resumes_and_truncates(tmp_path):
     with Tracker(run_dir, project="spotlight-test", run_name="t", config={"lr": 1e-3}) as tracker:
         for step in range(1, 6):
             tracker.log({"reward": step / 10, "loss": torch.tensor(2.0 * step)}, step=step)
-        png = tracker.log_images(
-            "samples/eval", torch.rand(3, 3, 8, 8), ["a cat", "a dog", "a fox"], step=4, nrow=2
-        )
+        png = tracker.log_images("samples/eval", torch.rand(3, 3, 8, 8), ["a cat", "a dog", "a fox"], step=4, nrow=2)
         tracker.log_images("samples/eval", torch.rand(2, 3, 8, 8), ["x", "y"], step=5, nrow=2)
         with pytest.raises(ValueError, match="step"):
             tracker.log({"step": 1.0}, step=6)

@@ -32,9 +32,15 @@ def _tiny_model_and_inputs():
 
     torch.manual_seed(0)
     model = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=24, axes_dims_rope=(4, 6, 6),
-    ).eval()  # fmt: skip
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=24,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()
     height, width = 3, 7  # 21 image tokens: not divisible by 2 or 4
     latents = torch.randn(2, height * width, 16)
     embeds = torch.randn(2, 9, 24)
@@ -49,9 +55,13 @@ def _stock(model, inputs) -> torch.Tensor:
     latents, embeds, mask, sigma, shapes = inputs
     with torch.no_grad():
         return model(
-            hidden_states=latents, encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
-            timestep=sigma, img_shapes=shapes, return_dict=False,
-        )[0]  # fmt: skip
+            hidden_states=latents,
+            encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=mask,
+            timestep=sigma,
+            img_shapes=shapes,
+            return_dict=False,
+        )[0]
 
 
 def _init(rank: int, world: int, store_file: Path) -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from launch import cpu_fsdp_config, free_port, launch
+
 from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
 from spotlight.config_io import load_config
@@ -36,7 +36,18 @@ def base(tmp_path_factory):
     """A tiny warm-started Qwen2.5-VL that answers in the format, so groups get reward variance."""
     from vlm.warmstart import warm_start
 
-    cfg = load_config(WarmStartRecipe, None, ["num_steps=25", "vision_pretrain_steps=20", "batch_size=16", "lr=1e-2", *[f"task.{k}={v}" for k, v in TASK.items()], *[f"model.{k}={v}" for k, v in SPEC.items()]])
+    cfg = load_config(
+        WarmStartRecipe,
+        None,
+        [
+            "num_steps=25",
+            "vision_pretrain_steps=20",
+            "batch_size=16",
+            "lr=1e-2",
+            *[f"task.{k}={v}" for k, v in TASK.items()],
+            *[f"model.{k}={v}" for k, v in SPEC.items()],
+        ],
+    )
     out = tmp_path_factory.mktemp("vlm-dp") / "base"
     warm_start(cfg, out, progress=False)
     return out
@@ -50,14 +61,22 @@ def dp_overrides(base: Path, iterations: int) -> list[str]:
     the scoring and the update. lr 1e-4 as in the DiT test (see the tolerances below).
     """
     return [
-        f"model.path={base}", "train.prompts_per_iteration=3", "rollout.group_size=4", "rollout.max_new_tokens=4",
-        "rollout.batch_size=6", "train.num_inner_epochs=2", "train.minibatch_size=4", "train.micro_batch_size=3",
-        "train.lr=1e-4", "train.num_threads=1", "train.max_minutes=0", f"train.num_iterations={iterations}",
-        "log.wandb_mode=disabled", "log.checkpoint_every=2", *[f"task.{k}={v}" for k, v in TASK.items()],
-    ]  # fmt: skip
-
-
-
+        f"model.path={base}",
+        "train.prompts_per_iteration=3",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=4",
+        "rollout.batch_size=6",
+        "train.num_inner_epochs=2",
+        "train.minibatch_size=4",
+        "train.micro_batch_size=3",
+        "train.lr=1e-4",
+        "train.num_threads=1",
+        "train.max_minutes=0",
+        f"train.num_iterations={iterations}",
+        "log.wandb_mode=disabled",
+        "log.checkpoint_every=2",
+        *[f"task.{k}={v}" for k, v in TASK.items()],
+    ]
 
 
 @pytest.mark.parametrize(
@@ -88,7 +107,16 @@ def test_two_processes_match_one(base, tmp_path, schedule, extra, interrupted):
         torch.set_num_threads(threads)
 
     if interrupted:
-        proc = launch(CPU_2PROC, "vlm", "train", *dp_overrides(base, 2), f"train.schedule={schedule}", *extra, "--run-dir", str(two))
+        proc = launch(
+            CPU_2PROC,
+            "vlm",
+            "train",
+            *dp_overrides(base, 2),
+            f"train.schedule={schedule}",
+            *extra,
+            "--run-dir",
+            str(two),
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "data parallel: 2 processes on cpu, 6 of 12 samples on rank 0" in proc.stdout
     proc = launch(CPU_2PROC, "vlm", "train", *args, "--run-dir", str(two))
@@ -151,11 +179,22 @@ def _update_first_group_only(dp: DataParallel, base: str, schedule: str) -> list
     from vlm.train import Reference, UpdateShard, make_schedule
 
     P, G = 2, 3
-    cfg = load_config(VLMRecipe, None, [
-        f"model.path={base}", f"train.prompts_per_iteration={P}", f"rollout.group_size={G}", "rollout.max_new_tokens=4",
-        "train.num_inner_epochs=2", "train.minibatch_size=2", "train.micro_batch_size=1", "train.beta=0.1",
-        "log.wandb_mode=disabled", *[f"task.{k}={v}" for k, v in TASK.items()],
-    ])  # fmt: skip
+    cfg = load_config(
+        VLMRecipe,
+        None,
+        [
+            f"model.path={base}",
+            f"train.prompts_per_iteration={P}",
+            f"rollout.group_size={G}",
+            "rollout.max_new_tokens=4",
+            "train.num_inner_epochs=2",
+            "train.minibatch_size=2",
+            "train.micro_batch_size=1",
+            "train.beta=0.1",
+            "log.wandb_mode=disabled",
+            *[f"task.{k}={v}" for k, v in TASK.items()],
+        ],
+    )
     policy = load_policy(cfg.model)
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
@@ -215,7 +254,13 @@ def _split_eval(rank: int, world_size: int, port: int, base: str, out: str) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     task = TaskConfig(**TASK)
-    summary = evaluate(VLMPolicy.load(base), task, examples=heldout_examples(task)[:7], batch_size=2, dp=DataParallel(rank=rank, world_size=world_size))
+    summary = evaluate(
+        VLMPolicy.load(base),
+        task,
+        examples=heldout_examples(task)[:7],
+        batch_size=2,
+        dp=DataParallel(rank=rank, world_size=world_size),
+    )
     torch.save(summary, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
@@ -271,7 +316,18 @@ def test_fsdp_two_processes_match_one_and_resume(base, tmp_path, variant):
     extra = ["train.schedule=serial", "train.drop_flat_groups=true", "eval.every=3", *variant]
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     # The reference in a fresh process (a LoRA adapter's init follows train.seed in every process).
-    cmd = [sys.executable, "-m", "spotlight.cli", "vlm", "train", *dp_overrides(base, 3), *extra, "--run-dir", str(one), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spotlight.cli",
+        "vlm",
+        "train",
+        *dp_overrides(base, 3),
+        *extra,
+        "--run-dir",
+        str(one),
+        "--quiet",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = cpu_fsdp_config(tmp_path / "fsdp.yaml")
@@ -294,6 +350,15 @@ def test_fsdp_two_processes_match_one_and_resume(base, tmp_path, variant):
 
 def test_fsdp_refuses_the_rollplex_schedule(base, tmp_path):
     config = cpu_fsdp_config(tmp_path / "fsdp.yaml")
-    proc = launch(config, "vlm", "train", *dp_overrides(base, 1), "train.schedule=rollplex", "--run-dir", str(tmp_path / "run"), timeout=120)
+    proc = launch(
+        config,
+        "vlm",
+        "train",
+        *dp_overrides(base, 1),
+        "train.schedule=rollplex",
+        "--run-dir",
+        str(tmp_path / "run"),
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "train.schedule=rollplex does not run under FSDP" in proc.stderr + proc.stdout

@@ -57,10 +57,14 @@ def test_clip_higher_widens_only_the_upper_bound():
     torch.testing.assert_close(grad[2], torch.tensor(1.25))
     torch.testing.assert_close(grad[3], torch.tensor(-0.75))
     # None is the symmetric range, and the loss's clip fraction counts against the widened bound.
-    torch.testing.assert_close(clipped_surrogate(logp_BT, old_BT, adv_B, 0.2, None), clipped_surrogate(logp_BT, old_BT, adv_B, 0.2, 0.2))
+    torch.testing.assert_close(
+        clipped_surrogate(logp_BT, old_BT, adv_B, 0.2, None), clipped_surrogate(logp_BT, old_BT, adv_B, 0.2, 0.2)
+    )
     mask_BT = torch.ones(4, 1)
     _, sym = grpo_token_loss(logp_BT, old_BT, None, adv_B, mask_BT, clip_range=0.2, beta=0.0, agg="token")
-    _, high = grpo_token_loss(logp_BT, old_BT, None, adv_B, mask_BT, clip_range=0.2, beta=0.0, agg="token", clip_range_high=0.28)
+    _, high = grpo_token_loss(
+        logp_BT, old_BT, None, adv_B, mask_BT, clip_range=0.2, beta=0.0, agg="token", clip_range_high=0.28
+    )
     assert sym["clip_frac"] == 1.0 and high["clip_frac"] == 0.5
 
 
@@ -89,7 +93,9 @@ def test_k3_is_an_unbiased_kl_estimate_under_samples_of_the_policy():
 def test_kl_term_pulls_toward_the_reference():
     logp_BT = torch.log(torch.tensor([[0.9]])).requires_grad_(True)
     ref_BT = torch.log(torch.tensor([[0.5]]))
-    loss, stats = grpo_token_loss(logp_BT, logp_BT.detach(), ref_BT, torch.zeros(1), torch.ones(1, 1), clip_range=0.2, beta=1.0, agg="token")
+    loss, stats = grpo_token_loss(
+        logp_BT, logp_BT.detach(), ref_BT, torch.zeros(1), torch.ones(1, 1), clip_range=0.2, beta=1.0, agg="token"
+    )
     loss.backward()
     assert logp_BT.grad.item() > 0  # gradient descent lowers logp toward the reference
     assert stats["kl_ref"] > 0
@@ -116,7 +122,16 @@ def test_micro_batches_add_up_to_the_minibatch_loss(agg):
     kw = dict(clip_range=0.2, beta=0.05, agg=agg)
     full, _ = grpo_token_loss(logp_BT, old_BT, ref_BT, adv_B, mask_BT, **kw)
     parts = sum(
-        grpo_token_loss(logp_BT[s], old_BT[s], ref_BT[s], adv_B[s], mask_BT[s], num_sequences=6, num_tokens=float(mask_BT.sum()), **kw)[0]
+        grpo_token_loss(
+            logp_BT[s],
+            old_BT[s],
+            ref_BT[s],
+            adv_B[s],
+            mask_BT[s],
+            num_sequences=6,
+            num_tokens=float(mask_BT.sum()),
+            **kw,
+        )[0]
         for s in (slice(0, 2), slice(2, 6))
     )
     torch.testing.assert_close(parts, full)

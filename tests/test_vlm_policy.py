@@ -20,7 +20,9 @@ SPEC = dict(text_hidden=32, text_layers=1, text_heads=2, vision_hidden=32, visio
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
 def folder(request, tmp_path_factory):
     spec = TinyVLMConfig(family=request.param, **SPEC)
-    return build_tiny_vlm(tmp_path_factory.mktemp(request.param) / "model", spec, corpus(TASK), image_px=TASK.grid_size * CELL_PX)
+    return build_tiny_vlm(
+        tmp_path_factory.mktemp(request.param) / "model", spec, corpus(TASK), image_px=TASK.grid_size * CELL_PX
+    )
 
 
 def _prompts(policy, num=3):
@@ -78,8 +80,15 @@ def test_positions_computed_once_per_prompt_are_the_ones_generate_derives(folder
     G = 3
     got = HFRolloutEngine(policy).generate(batch, G, 5, 1.0, seed=3)
     rows = batch.select([r // G for r in range(batch.num_rows * G)])
-    processors = LogitsProcessorList([BanTokens(policy.banned_token_ids), GumbelNoise([derive_seed(3, r // G, r % G) for r in range(rows.num_rows)], 1.0)])
-    config = GenerationConfig(do_sample=False, max_new_tokens=5, eos_token_id=policy.eos_token_id, pad_token_id=policy.pad_token_id)
+    processors = LogitsProcessorList(
+        [
+            BanTokens(policy.banned_token_ids),
+            GumbelNoise([derive_seed(3, r // G, r % G) for r in range(rows.num_rows)], 1.0),
+        ]
+    )
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=5, eos_token_id=policy.eos_token_id, pad_token_id=policy.pad_token_id
+    )
     out = policy.model.generate(**rows.model_inputs(), generation_config=config, logits_processor=processors)
     plain = out[:, rows.input_ids_BL.shape[1] :]
     mask = response_mask(plain, policy.eos_token_id)
@@ -96,14 +105,21 @@ def test_training_logprobs_equal_the_sampling_distribution(folder, temperature):
     seeds = list(range(rows.num_rows))
     out = policy.model.generate(
         **rows.model_inputs(),
-        generation_config=GenerationConfig(do_sample=False, max_new_tokens=5, eos_token_id=policy.eos_token_id, pad_token_id=policy.pad_token_id),
+        generation_config=GenerationConfig(
+            do_sample=False, max_new_tokens=5, eos_token_id=policy.eos_token_id, pad_token_id=policy.pad_token_id
+        ),
         logits_processor=LogitsProcessorList([BanTokens(policy.banned_token_ids), GumbelNoise(seeds, temperature)]),
-        output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     ids_BT = out.sequences[:, rows.input_ids_BL.shape[1] :]
     mask_BT = response_mask(ids_BT, policy.eos_token_id)
     raw_BTV = torch.stack(out.logits, 1).float()
-    expected_BT = torch.log_softmax(mask_banned(raw_BTV, policy.banned_token_ids) / temperature, -1).gather(-1, ids_BT.unsqueeze(-1)).squeeze(-1)
+    expected_BT = (
+        torch.log_softmax(mask_banned(raw_BTV, policy.banned_token_ids) / temperature, -1)
+        .gather(-1, ids_BT.unsqueeze(-1))
+        .squeeze(-1)
+    )
     with torch.no_grad():
         got_BT = response_logprobs(policy, rows, ids_BT, mask_BT, temperature)
     m = mask_BT.bool()

@@ -60,7 +60,9 @@ def test_training_stream_never_yields_a_heldout_example():
     train = TrainStream(cfg, seed=0).batch(0, 200)
     assert heldout and not heldout & {e.key for e in train}
     assert heldout_examples(cfg) == heldout_examples(cfg)
-    assert heldout_examples(cfg) != heldout_examples(TaskConfig(grid_size=2, max_shapes=1, colors=("red", "blue"), num_heldout=48, split_seed=1))
+    assert heldout_examples(cfg) != heldout_examples(
+        TaskConfig(grid_size=2, max_shapes=1, colors=("red", "blue"), num_heldout=48, split_seed=1)
+    )
 
 
 def test_task_config_rejects_unknown_colors():

@@ -27,7 +27,18 @@ SPEC = dict(text_hidden=32, text_layers=1, text_heads=2, vision_hidden=32, visio
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A tiny warm-started base: it answers in the format, so GRPO groups get reward variance."""
-    cfg = load_config(WarmStartRecipe, None, ["num_steps=25", "vision_pretrain_steps=20", "batch_size=16", "lr=1e-2", *[f"task.{k}={v}" for k, v in TASK.items()], *[f"model.{k}={v}" for k, v in SPEC.items()]])
+    cfg = load_config(
+        WarmStartRecipe,
+        None,
+        [
+            "num_steps=25",
+            "vision_pretrain_steps=20",
+            "batch_size=16",
+            "lr=1e-2",
+            *[f"task.{k}={v}" for k, v in TASK.items()],
+            *[f"model.{k}={v}" for k, v in SPEC.items()],
+        ],
+    )
     out = tmp_path_factory.mktemp("vlm") / "base"
     summary = warm_start(cfg, out, progress=False)
     assert summary["heldout_format_rate"] > 0.5, summary
@@ -36,10 +47,16 @@ def base(tmp_path_factory):
 
 def _recipe(base: Path, *overrides: str) -> VLMRecipe:
     tiny = [
-        f"model.path={base}", "train.prompts_per_iteration=2", "rollout.group_size=3", "rollout.max_new_tokens=4",
-        "train.lr=1e-2", "log.wandb_mode=disabled", "train.max_minutes=0", "train.micro_batch_size=4",
+        f"model.path={base}",
+        "train.prompts_per_iteration=2",
+        "rollout.group_size=3",
+        "rollout.max_new_tokens=4",
+        "train.lr=1e-2",
+        "log.wandb_mode=disabled",
+        "train.max_minutes=0",
+        "train.micro_batch_size=4",
         *[f"task.{k}={v}" for k, v in TASK.items()],
-    ]  # fmt: skip
+    ]
     return load_config(VLMRecipe, None, [*tiny, *overrides])
 
 
@@ -120,9 +137,26 @@ def test_warm_start_then_cli_eval_prints_heldout_accuracy(tmp_path):
     base = tmp_path / "base"
     # `python -m vlm.cli` is the real entry point; the summary is one JSON line.
     out = subprocess.run(
-        [sys.executable, "-m", "vlm.cli", "warmstart", "num_steps=3", "vision_pretrain_steps=2", "batch_size=4", *task, *sizes, "--out", str(base), "--quiet"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "vlm.cli",
+            "warmstart",
+            "num_steps=3",
+            "vision_pretrain_steps=2",
+            "batch_size=4",
+            *task,
+            *sizes,
+            "--out",
+            str(base),
+            "--quiet",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 3 and 0 <= summary["heldout_accuracy"] <= 1
@@ -131,12 +165,23 @@ def test_warm_start_then_cli_eval_prints_heldout_accuracy(tmp_path):
     run_training(_recipe(base, "train.num_iterations=1"), run, progress=False)
     out = subprocess.run(
         [sys.executable, "-m", "vlm.cli", "eval", "--checkpoint", str(run), "--json", f"model.path={base}", *task],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["step"] == 1 and result["num_examples"] == TASK["num_heldout"] and 0 <= result["accuracy"] <= 1
-    bad = subprocess.run([sys.executable, "-m", "vlm.cli", "eval", f"model.path={tmp_path / 'missing'}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "vlm.cli", "eval", f"model.path={tmp_path / 'missing'}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "model.path" in bad.stderr and "missing" in bad.stderr
 
 
@@ -146,7 +191,18 @@ def test_vision_pretraining_learns_the_cells_and_the_supervised_run_keeps_the_to
     from vlm.tiny import build_tiny_vlm
     from vlm.warmstart import pretrain_vision
 
-    cfg = load_config(WarmStartRecipe, None, ["num_steps=3", "vision_pretrain_steps=60", "batch_size=16", "lr=1e-2", *[f"task.{k}={v}" for k, v in TASK.items()], *[f"model.{k}={v}" for k, v in SPEC.items()]])
+    cfg = load_config(
+        WarmStartRecipe,
+        None,
+        [
+            "num_steps=3",
+            "vision_pretrain_steps=60",
+            "batch_size=16",
+            "lr=1e-2",
+            *[f"task.{k}={v}" for k, v in TASK.items()],
+            *[f"model.{k}={v}" for k, v in SPEC.items()],
+        ],
+    )
     build_tiny_vlm(tmp_path / "alone", cfg.model, corpus(cfg.task), image_px=cfg.task.grid_size * CELL_PX)
     policy = VLMPolicy.load(tmp_path / "alone")
     losses = pretrain_vision(policy, cfg)
@@ -166,7 +222,15 @@ def test_vision_pretraining_needs_one_token_per_cell(tmp_path):
     from vlm.tiny import build_tiny_vlm
     from vlm.warmstart import pretrain_vision
 
-    cfg = load_config(WarmStartRecipe, None, ["vision_pretrain_steps=1", *[f"task.{k}={v}" for k, v in TASK.items()], *[f"model.{k}={v}" for k, v in SPEC.items()]])
+    cfg = load_config(
+        WarmStartRecipe,
+        None,
+        [
+            "vision_pretrain_steps=1",
+            *[f"task.{k}={v}" for k, v in TASK.items()],
+            *[f"model.{k}={v}" for k, v in SPEC.items()],
+        ],
+    )
     build_tiny_vlm(tmp_path / "m", cfg.model, corpus(cfg.task), image_px=cfg.task.grid_size * CELL_PX)
     policy = VLMPolicy.load(tmp_path / "m")
     cfg.task.grid_size = 3  # images of 3 x 3 cells, but the processor was built for 2 x 2 (56 px)
@@ -209,7 +273,14 @@ def test_lr_warmup_ramps_and_resumes_from_the_optimizer_state(base):
     from vlm.task import TrainStream, example_image
     from vlm.train import update
 
-    cfg = _recipe(base, "train.beta=0", "train.lr=1e-3", "train.lr_warmup_steps=4", "train.minibatch_size=2", "train.micro_batch_size=2")
+    cfg = _recipe(
+        base,
+        "train.beta=0",
+        "train.lr=1e-3",
+        "train.lr_warmup_steps=4",
+        "train.minibatch_size=2",
+        "train.micro_batch_size=2",
+    )
     policy = load_policy(cfg.model)
     examples = TrainStream(cfg.task, seed=0).batch(0, 2)
     prompts = policy.encode([e.question for e in examples], [example_image(e, cfg.task) for e in examples])
@@ -234,7 +305,11 @@ def test_lr_warmup_ramps_and_resumes_from_the_optimizer_state(base):
 
 def test_dropping_flat_groups_updates_only_groups_with_signal(base, tmp_path):
     run = tmp_path / "drop"
-    run_training(_recipe(base, "train.num_iterations=2", "train.drop_flat_groups=true", "train.prompts_per_iteration=4"), run, progress=False)
+    run_training(
+        _recipe(base, "train.num_iterations=2", "train.drop_flat_groups=true", "train.prompts_per_iteration=4"),
+        run,
+        progress=False,
+    )
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         assert row["grpo/rows_updated"] == (4 - row["grpo/zero_variance_groups"]) * 3
@@ -267,7 +342,9 @@ def test_the_learning_rate_cools_down_over_the_end_of_the_run(base, tmp_path, sc
     # iterations: progress after iteration k of 4 is k/4, so with lr_cooldown 0.5 and floor 0.1
     # the factors are 1, 1, 0.55, 0.1, and the last optimizer step ran at a tenth of train.lr.
     run = tmp_path / "run"
-    recipe = _recipe(base, "train.num_iterations=4", "train.max_minutes=60", "train.lr_cooldown=0.5", f"train.schedule={schedule}")
+    recipe = _recipe(
+        base, "train.num_iterations=4", "train.max_minutes=60", "train.lr_cooldown=0.5", f"train.schedule={schedule}"
+    )
     run_training(recipe, run, progress=False)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["grpo/lr_scale"] for r in rows] == pytest.approx([1.0, 1.0, 0.55, 0.1])
@@ -285,7 +362,9 @@ def test_the_learning_rate_cools_down_over_the_end_of_the_run(base, tmp_path, sc
 def test_max_minutes_stops_before_the_iteration_that_would_overrun(base, tmp_path):
     run = tmp_path / "run"
     minutes = 0.1  # 6 s: a few tiny iterations, far fewer than the 500 asked for
-    summary = run_training(_recipe(base, "train.num_iterations=500", f"train.max_minutes={minutes}"), run, progress=False)
+    summary = run_training(
+        _recipe(base, "train.num_iterations=500", f"train.max_minutes={minutes}"), run, progress=False
+    )
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert 1 <= summary["iterations"] == len(rows) < 500
     assert load_checkpoint(run).step == len(rows)  # the last iteration done is checkpointed

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+
 def _split_recipe(items: list[str]) -> tuple[str | None, list[str]]:
     """The recipe is the first item unless it looks like an override (has '=')."""
     items = list(items)
@@ -31,8 +32,12 @@ def recipe_kinds() -> list[tuple[type, str]]:
     from spotlight.config import DiTRecipe, PretrainConfig
     from vlm.config import VLMRecipe, WarmStartRecipe
 
-    return [(DiTRecipe, "spotlight train"), (PretrainConfig, "spotlight pretrain"),
-            (VLMRecipe, "spotlight vlm train"), (WarmStartRecipe, "spotlight vlm warmstart")]  # fmt: skip
+    return [
+        (DiTRecipe, "spotlight train"),
+        (PretrainConfig, "spotlight pretrain"),
+        (VLMRecipe, "spotlight vlm train"),
+        (WarmStartRecipe, "spotlight vlm warmstart"),
+    ]
 
 
 def _load(cls, args: argparse.Namespace):
@@ -105,17 +110,27 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def add_subcommands(subparsers) -> argparse.ArgumentParser:
     """Add the `vlm` command (with its own subcommands) to an argparse subparsers object."""
-    vlm = subparsers.add_parser("vlm", help="VLM GRPO (Qwen2.5-VL / Qwen3-VL).", description="VLM GRPO (Qwen2.5-VL / Qwen3-VL).")
+    vlm = subparsers.add_parser(
+        "vlm", help="VLM GRPO (Qwen2.5-VL / Qwen3-VL).", description="VLM GRPO (Qwen2.5-VL / Qwen3-VL)."
+    )
     sub = vlm.add_subparsers(dest="vlm_command", required=True, metavar="COMMAND")
 
     def command(name: str, help_text: str, fn) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("items", nargs="*", metavar="[RECIPE] [key=value ...]", help="recipe YAML, then dotted overrides")
+        p.add_argument(
+            "items", nargs="*", metavar="[RECIPE] [key=value ...]", help="recipe YAML, then dotted overrides"
+        )
         p.set_defaults(fn=fn)
         return p
 
-    p = command("warmstart", "Build the tiny VLM, pretrain its vision tower, and teach it the answer format (supervised, short).", cmd_warmstart)
-    p.add_argument("--out", help="output model folder (default: runs/vlm-tiny-base; refused if it exists, unless --force)")
+    p = command(
+        "warmstart",
+        "Build the tiny VLM, pretrain its vision tower, and teach it the answer format (supervised, short).",
+        cmd_warmstart,
+    )
+    p.add_argument(
+        "--out", help="output model folder (default: runs/vlm-tiny-base; refused if it exists, unless --force)"
+    )
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

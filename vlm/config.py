@@ -1,7 +1,8 @@
 """The VLM GRPO recipes: typed dataclasses, the single source of truth for every setting.
 
 `VLMRecipe` defaults are the tiny CPU recipe (`configs/vlm/tiny-count.yaml` spells the same values
-out, and turns on `train.refill_prompts`, off by default): GRPO on the shapes question task, starting from the warm-started tiny Qwen2.5-VL that
+out, and turns on `train.refill_prompts`, off by default): GRPO on the shapes question task, starting from the
+warm-started tiny Qwen2.5-VL that
 `WarmStartRecipe` (`configs/vlm/tiny-warmstart.yaml`) builds. Recipes are loaded with
 `spotlight.config_io.load_config`; dotted command-line overrides (`train.lr=1e-4`) win.
 """
@@ -101,13 +102,15 @@ class ModelConfig:
     """Which VLM to post-train and how."""
 
     path: str = "runs/vlm-tiny-base"
-    """Model folder (weights, config, processor) as written by save_pretrained; `vlm warmstart` writes the tiny one here."""
+    """Model folder (weights, config, processor) as written by save_pretrained; `vlm warmstart` writes the tiny one
+    here."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights dtype."""
     device: str = "cpu"
     """Torch device, e.g. cpu or cuda."""
     lora_rank: int = 0
-    """LoRA rank on the language model's projections (and the vision tower's when train_vision); 0 trains all weights."""
+    """LoRA rank on the language model's projections (and the vision tower's when train_vision);
+    0 trains all weights."""
     lora_alpha: float = 0.0
     """LoRA alpha; 0 means equal to the rank."""
     train_vision: bool = True
@@ -151,13 +154,16 @@ class TrainConfig:
     lr_warmup_steps: int = 0
     """Optimizer steps of a linear learning-rate warm-up from lr / lr_warmup_steps to lr; 0: none."""
     lr_cooldown: float = 0.0
-    """The last fraction of the run over which the learning rate falls linearly to lr_cooldown_floor x lr; progress is the larger of the time budget (train.max_minutes) used and the iterations done over num_iterations (0: none; also none without a time budget)."""
+    """The last fraction of the run over which the learning rate falls linearly to lr_cooldown_floor x lr; progress is
+    the larger of the time budget (train.max_minutes) used and the iterations done over num_iterations (0: none; also
+    none without a time budget)."""
     lr_cooldown_floor: float = 0.1
     """The learning-rate factor the cooldown ends at."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta2: float = 0.999
-    """AdamW's second-moment decay (its horizon is about 1 / (1 - adam_beta2) optimizer steps; the DiT tiny recipe uses 0.99, untested here)."""
+    """AdamW's second-moment decay (its horizon is about 1 / (1 - adam_beta2) optimizer steps; the DiT tiny recipe uses
+    0.99, untested here)."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm."""
     clip_range: float = 0.2
@@ -169,13 +175,18 @@ class TrainConfig:
     adv_std: Literal["group", "batch"] = "group"
     """Normalise advantages by the per-group (GRPO) or the whole-batch reward std."""
     beta: float = 0.1
-    """Weight of the k3 KL estimate to the reference policy (the model at the start of training); the tiny recipe's 0.1 keeps the base's answer spread at lr 1e-3 (beta 0 collapses every group to one answer)."""
+    """Weight of the k3 KL estimate to the reference policy (the model at the start of training); the tiny recipe's 0.1
+    keeps the base's answer spread at lr 1e-3 (beta 0 collapses every group to one answer)."""
     loss_agg: Literal["token", "sequence"] = "token"
-    """"token": mean over all response tokens of the batch (DAPO); "sequence": mean over sequences of each one's token mean (GRPO)."""
+    """"token": mean over all response tokens of the batch (DAPO); "sequence": mean over sequences of each one's token
+    mean (GRPO)."""
     drop_flat_groups: bool = False
-    """Leave groups whose rewards are all equal (advantage 0) out of the reference pass and the update (DAPO's dynamic sampling, without refilling). Saves their compute; changes only which samples the KL term sees."""
+    """Leave groups whose rewards are all equal (advantage 0) out of the reference pass and the update (DAPO's dynamic
+    sampling, without refilling). Saves their compute; changes only which samples the KL term sees."""
     refill_prompts: int = 0
-    """DAPO's dynamic sampling (Yu et al. 2025, Sec. 3.2), with one bounded refill: roll out this many extra prompts each iteration, and update on the first prompts_per_iteration groups with a reward spread among all of them (flat groups are dropped, as with drop_flat_groups, and replaced); 0 = off."""
+    """DAPO's dynamic sampling (Yu et al. 2025, Sec. 3.2), with one bounded refill: roll out this many extra prompts
+    each iteration, and update on the first prompts_per_iteration groups with a reward spread among all of them (flat
+    groups are dropped, as with drop_flat_groups, and replaced); 0 = off."""
     num_inner_epochs: int = 1
     """Passes over each iteration's rollouts."""
     minibatch_size: int = 128
@@ -185,11 +196,14 @@ class TrainConfig:
     seed: int = 0
     """Run seed: examples, sampling seeds and minibatch order derive from it."""
     max_minutes: float = 14.0
-    """Training time budget: stop before an iteration predicted (the slowest of the last 5) to end after it; 0 = no limit."""
+    """Training time budget: stop before an iteration predicted (the slowest of the last 5) to end after it; 0 = no
+    limit."""
     num_threads: int = 0
     """torch CPU threads; 0 keeps torch's default."""
     schedule: Literal["serial", "rollplex"] = "rollplex"
-    """Phase schedule (the Rollplex paper): "serial" runs each phase over the whole sequence; "rollplex" runs the reference and actor prefixes (vision tower + prompt prefill, once per prompt) during decode and only the response suffix after. Same losses up to float order."""
+    """Phase schedule (the Rollplex paper): "serial" runs each phase over the whole sequence; "rollplex" runs the
+    reference and actor prefixes (vision tower + prompt prefill, once per prompt) during decode and only the response
+    suffix after. Same losses up to float order."""
 
     def validate(self) -> None:
         if self.schedule not in ("serial", "rollplex"):
@@ -197,7 +211,9 @@ class TrainConfig:
         if self.refill_prompts < 0:
             raise ValueError(f"train.refill_prompts must be >= 0 (0: no refill), got {self.refill_prompts}")
         if min(self.minibatch_size, self.micro_batch_size, self.prompts_per_iteration, self.num_inner_epochs) < 1:
-            raise ValueError("minibatch_size, micro_batch_size, prompts_per_iteration and num_inner_epochs must be >= 1")
+            raise ValueError(
+                "minibatch_size, micro_batch_size, prompts_per_iteration and num_inner_epochs must be >= 1"
+            )
         if self.clip_range <= 0 or self.beta < 0:
             raise ValueError(f"clip_range must be > 0 and beta >= 0, got {self.clip_range}, {self.beta}")
         if self.clip_range_high < 0:
@@ -210,7 +226,8 @@ class TrainConfig:
             raise ValueError(f"train.adam_beta2 must be in (0, 1), got {self.adam_beta2}")
         if not 0 <= self.lr_cooldown < 1 or not 0 <= self.lr_cooldown_floor <= 1:
             raise ValueError(
-                f"train.lr_cooldown must be in [0, 1) and train.lr_cooldown_floor in [0, 1], got {self.lr_cooldown}, {self.lr_cooldown_floor}"
+                f"train.lr_cooldown must be in [0, 1) and train.lr_cooldown_floor in [0, 1], got {self.lr_cooldown}, "
+                f"{self.lr_cooldown_floor}"
             )
 
 

@@ -71,6 +71,8 @@ def evaluate(
         "num_examples": len(examples),
         "seconds": round(time.monotonic() - began, 1),
         # This rank's first responses (rank 0's are the first examples').
-        "samples": [{"question": e.question, "answer": e.answer, "response": t} for e, t in list(zip(examples[lo:hi], texts))[:4]],
+        "samples": [
+            {"question": e.question, "answer": e.answer, "response": t}
+            for e, t in list(zip(examples[lo:hi], texts))[:4]
+        ],
     }
-

@@ -27,12 +27,19 @@ import torch
 
 from spotlight.grpo import Advantages, group_advantages
 
-__all__ = ["Advantages", "group_advantages", "aggregate", "k3_kl", "clipped_surrogate", "grpo_token_loss"]
+__all__ = ["Advantages", "aggregate", "clipped_surrogate", "group_advantages", "grpo_token_loss", "k3_kl"]
 
 Aggregation = Literal["token", "sequence"]
 
 
-def aggregate(values_BT: torch.Tensor, mask_BT: torch.Tensor, mode: Aggregation, *, num_sequences: int | None = None, num_tokens: float | None = None) -> torch.Tensor:
+def aggregate(
+    values_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: Aggregation,
+    *,
+    num_sequences: int | None = None,
+    num_tokens: float | None = None,
+) -> torch.Tensor:
     """Reduce per-token values to a scalar over the masked tokens.
 
     Args:
@@ -65,7 +72,11 @@ def k3_kl(logp_BT: torch.Tensor, ref_logp_BT: torch.Tensor) -> torch.Tensor:
 
 
 def clipped_surrogate(
-    logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_B: torch.Tensor, clip_range: float, clip_range_high: float | None = None
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    adv_B: torch.Tensor,
+    clip_range: float,
+    clip_range_high: float | None = None,
 ) -> torch.Tensor:
     """(B, T) PPO per-token loss max(-A r, -A clip(r, 1 - eps, 1 + eps_high)), r = exp(logp - old_logp).
 

@@ -95,7 +95,9 @@ def tensor_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, reference: torch.nn.Module | None = None) -> dict[str, int]:
+def state_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, reference: torch.nn.Module | None = None
+) -> dict[str, int]:
     """The permanent classes: weights, the reference copy's weights, optimizer moments."""
     out = {"weights": tensor_bytes(model.parameters())}
     if reference is not None:

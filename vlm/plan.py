@@ -45,7 +45,18 @@ from pathlib import Path
 
 import torch
 
-from spotlight.plan import DTYPE_BYTES, Layout, Plan, Role, Term, _count, _on_meta, meta_bytes, qwen2_5_vl_config, suggest
+from spotlight.plan import (
+    DTYPE_BYTES,
+    Layout,
+    Plan,
+    Role,
+    Term,
+    _count,
+    _on_meta,
+    meta_bytes,
+    qwen2_5_vl_config,
+    suggest,
+)
 
 ASSUMED_TEXT_TOKENS = 40
 """Chat template + question tokens assumed when the model folder (and its processor) is absent."""
@@ -103,13 +114,23 @@ def load_vlm_model(cfg) -> VLMModel:
     text, vision = config.text_config, config.vision_config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return VLMModel(
-        bytes=nbytes, params=numel, vision_params=vision_params, layer_bytes=layer_bytes,
-        lora_params_per_rank=lora_numel, lora_bytes_per_param=lora_bytes // max(1, lora_numel),
-        layers=text.num_hidden_layers, dim=text.hidden_size, ffn=text.intermediate_size,
-        kv_dim=text.num_key_value_heads * head_dim, vocab=text.vocab_size,
-        vision_depth=vision.depth, vision_dim=vision.hidden_size, vision_ffn=vision.intermediate_size,
-        patch_channels=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2, source=source,
-    )  # fmt: skip
+        bytes=nbytes,
+        params=numel,
+        vision_params=vision_params,
+        layer_bytes=layer_bytes,
+        lora_params_per_rank=lora_numel,
+        lora_bytes_per_param=lora_bytes // max(1, lora_numel),
+        layers=text.num_hidden_layers,
+        dim=text.hidden_size,
+        ffn=text.intermediate_size,
+        kv_dim=text.num_key_value_heads * head_dim,
+        vocab=text.vocab_size,
+        vision_depth=vision.depth,
+        vision_dim=vision.hidden_size,
+        vision_ffn=vision.intermediate_size,
+        patch_channels=vision.in_channels * vision.temporal_patch_size * vision.patch_size**2,
+        source=source,
+    )
 
 
 def prompt_shape(cfg) -> tuple[int, int, str]:
@@ -129,7 +150,11 @@ def prompt_shape(cfg) -> tuple[int, int, str]:
         patches = batch.pixel_values_NC.shape[0] // len(examples)
         return batch.input_ids_BL.shape[1], patches, f"the folder's processor on {len(examples)} task examples"
     # Qwen2.5-VL: one 14-pixel patch per 14 x 14, one LM token per 2 x 2 patches; the task's image is grid x 28 px.
-    return grid * grid + ASSUMED_TEXT_TOKENS, 4 * grid * grid, f"{grid}x{grid} image tokens + {ASSUMED_TEXT_TOKENS} text tokens (assumed)"
+    return (
+        grid * grid + ASSUMED_TEXT_TOKENS,
+        4 * grid * grid,
+        f"{grid}x{grid} image tokens + {ASSUMED_TEXT_TOKENS} text tokens (assumed)",
+    )
 
 
 def layer_bytes_per_token(m: VLMModel, a: int, lora_rank: int, ad: int) -> float:
@@ -166,16 +191,26 @@ def vlm_roles(cfg, m: VLMModel, layout: Layout, prompt_tokens: int, patches: int
 
     if k > 1:
         frozen = (m.bytes if r else (0 if vision_trains else m.vision_params * a)) / k
-        weights = Term("weights", "model (FSDP shards + 2 gathered layers)", frozen + trainable * 4 / k + 2 * m.layer_bytes,
-                       f"frozen {cfg.model.dtype} / {k} + fp32 master of {_count(trainable)} trained params / {k}")
+        weights = Term(
+            "weights",
+            "model (FSDP shards + 2 gathered layers)",
+            frozen + trainable * 4 / k + 2 * m.layer_bytes,
+            f"frozen {cfg.model.dtype} / {k} + fp32 master of {_count(trainable)} trained params / {k}",
+        )
         grads, moments, gb = trainable * 4 / k, 2 * trainable * 4 / k, f"4 B / {k}"
     else:
-        weights = Term("weights", "model" + (f" + LoRA r={r}" if r else ""), m.bytes + lora_params * ad * bool(r),
-                       f"{_count(m.params)} params x {a} B" + (f" + {_count(lora_params)} adapter params x {ad} B" if r else ""))
+        weights = Term(
+            "weights",
+            "model" + (f" + LoRA r={r}" if r else ""),
+            m.bytes + lora_params * ad * bool(r),
+            f"{_count(m.params)} params x {a} B" + (f" + {_count(lora_params)} adapter params x {ad} B" if r else ""),
+        )
         grads, moments, gb = trainable * t_bytes, 2 * trainable * t_bytes, f"{t_bytes} B"
     resident = [weights]
     if tc.beta > 0 and not r:
-        resident.append(Term("weights", "KL reference copy (frozen)", m.bytes / k, "full fine-tune with train.beta > 0"))
+        resident.append(
+            Term("weights", "KL reference copy (frozen)", m.bytes / k, "full fine-tune with train.beta > 0")
+        )
     resident += [
         Term("gradients", "gradients", grads, f"{_count(trainable)} trained params x {gb}"),
         Term("optimizer", "AdamW moments", moments, f"2 x {_count(trainable)} x {gb}"),
@@ -191,18 +226,40 @@ def vlm_roles(cfg, m: VLMModel, layout: Layout, prompt_tokens: int, patches: int
         prefix = num_prompts * (L * (per_token + final_norm) + head_in + vision)
         suffix = b * (T * (per_token - kv_per_token + final_norm + head_in) + (L + T) * kv_per_token + logsoftmax)
         acts = [
-            Term("activations", "actor prefix (graph kept)", prefix, f"{num_prompts} prompts x {L} tokens" + (f" + vision {patches} patches each" if vision else "")),
-            Term("activations", "suffix micro-batch", suffix, f"{b} rows x {T} tokens, k/v over {L + T}, log-softmax over {m.vocab}"),
+            Term(
+                "activations",
+                "actor prefix (graph kept)",
+                prefix,
+                f"{num_prompts} prompts x {L} tokens" + (f" + vision {patches} patches each" if vision else ""),
+            ),
+            Term(
+                "activations",
+                "suffix micro-batch",
+                suffix,
+                f"{b} rows x {T} tokens, k/v over {L + T}, log-softmax over {m.vocab}",
+            ),
         ]
     else:
         per_row = (L + T) * (per_token + final_norm) + (T + 1) * head_in + logsoftmax + vision
-        acts = [Term("activations", "micro-batch", b * per_row, f"{b} rows x {L + T} tokens" + (f" + vision {patches} patches per row" if vision else ""))]
+        acts = [
+            Term(
+                "activations",
+                "micro-batch",
+                b * per_row,
+                f"{b} rows x {L + T} tokens" + (f" + vision {patches} patches per row" if vision else ""),
+            )
+        ]
     boundary = []
     if tc.schedule == "rollplex":
         ref_kv = (num_prompts * L * m.layers * 2 * m.kv_dim * a + num_prompts * m.vocab * a) if tc.beta > 0 else 0
         features = num_prompts * (patches // 4) * m.dim * a
         boundary = [
-            Term("buffers", "reference prefix keys/values", ref_kv, f"{num_prompts} prompts x {L} tokens x {m.layers} layers"),
+            Term(
+                "buffers",
+                "reference prefix keys/values",
+                ref_kv,
+                f"{num_prompts} prompts x {L} tokens x {m.layers} layers",
+            ),
             Term("buffers", "shared vision features", features, f"{num_prompts} images x {patches // 4} tokens"),
         ]
     trainer = Role("trainer", "1 GPU per trainer process, the update", [*resident, *acts, *boundary])
@@ -216,13 +273,24 @@ def vlm_roles(cfg, m: VLMModel, layout: Layout, prompt_tokens: int, patches: int
     ]
     if tc.schedule == "rollplex":  # the prefixes run during the decode
         gen += [t for t in acts if t.name.startswith("actor prefix")] + boundary
-    rollout = Role("rollout", "the trainer's GPU, during generation", [*resident, *gen],
-                   "`generate` in the trainer's process; gradients stay allocated until the next zero_grad")
+    rollout = Role(
+        "rollout",
+        "the trainer's GPU, during generation",
+        [*resident, *gen],
+        "`generate` in the trainer's process; gradients stay allocated until the next zero_grad",
+    )
     shapes = {
-        "prompt_tokens": L, "response_tokens": T, "patches_per_image": patches, "rows_per_micro_batch": b,
-        "rollout_rows": rows, "schedule": tc.schedule, "dtype": cfg.model.dtype, "lora_rank": r,
-        "train_vision": vision_trains, "fsdp": k,
-    }  # fmt: skip
+        "prompt_tokens": L,
+        "response_tokens": T,
+        "patches_per_image": patches,
+        "rows_per_micro_batch": b,
+        "rollout_rows": rows,
+        "schedule": tc.schedule,
+        "dtype": cfg.model.dtype,
+        "lora_rank": r,
+        "train_vision": vision_trains,
+        "fsdp": k,
+    }
     return [trainer, rollout], shapes
 
 
@@ -243,12 +311,19 @@ def plan_vlm(recipe: str, overrides: list[str], gpus: int, gpu_mem_gib: float) -
         return vlm_roles(cfg, m, replace(layout, sp=1), prompt_tokens, patches)[0]
 
     def roles_at(micro: int) -> list[Role]:
-        return vlm_roles(replace(cfg, train=replace(cfg.train, micro_batch_size=micro)), m, base, prompt_tokens, patches)[0]
+        return vlm_roles(
+            replace(cfg, train=replace(cfg.train, micro_batch_size=micro)), m, base, prompt_tokens, patches
+        )[0]
 
     rows = shapes["rows_per_micro_batch"]
-    plan.suggestions = suggest(plan, roles_for, base, heads=1, sp_trains=False, gc_option=False,
-                               batch_knob=("train.micro_batch_size", rows, roles_at) if rows > 1 else None)
+    plan.suggestions = suggest(
+        plan,
+        roles_for,
+        base,
+        heads=1,
+        sp_trains=False,
+        gc_option=False,
+        batch_knob=("train.micro_batch_size", rows, roles_at) if rows > 1 else None,
+    )
     plan.suggestions.append("explorer: none (the VLM path has no seed exploration)")
     return plan
-
-

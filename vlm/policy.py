@@ -86,9 +86,15 @@ class PromptBatch:
         return self.select([r for r in range(self.num_rows) for _ in range(num_repeats)])
 
     def to(self, device: torch.device | str) -> PromptBatch:
-        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if getattr(self, f.name) is not None and f.name != "image_outputs"}
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if getattr(self, f.name) is not None and f.name != "image_outputs"
+        }
         if self.image_outputs is not None:
-            moved["image_outputs"] = select_image_outputs(self.image_outputs, range(len(self.image_outputs.pooler_output)), device)
+            moved["image_outputs"] = select_image_outputs(
+                self.image_outputs, range(len(self.image_outputs.pooler_output)), device
+            )
         return replace(self, **moved)
 
 
@@ -124,14 +130,17 @@ class VLMPolicy:
         self.banned_token_ids = sorted({self.tokenizer.convert_tokens_to_ids(t) for t in banned} | {self.pad_token_id})
 
     @classmethod
-    def load(cls, path: str | Path, *, dtype: str = "float32", device: str = "cpu", field: str = "model.path") -> VLMPolicy:
+    def load(
+        cls, path: str | Path, *, dtype: str = "float32", device: str = "cpu", field: str = "model.path"
+    ) -> VLMPolicy:
         """Load a model folder (`field` names the config entry in error messages)."""
         from transformers import AutoModelForImageTextToText
 
         folder = Path(path).expanduser()
         if not (folder / "config.json").is_file():
             raise ValueError(
-                f"{field}: {str(folder)!r} is not a model folder (no config.json); give the folder that save_pretrained "
+                f"{field}: {str(folder)!r} is not a model folder (no config.json); give the folder that "
+                "save_pretrained "
                 "wrote, or build the tiny one with `spotlight vlm warmstart configs/vlm/tiny-warmstart.yaml`"
             )
         model_type = json.loads((folder / "config.json").read_text())["model_type"]
@@ -170,7 +179,9 @@ class VLMPolicy:
         from peft import LoraConfig, get_peft_model
 
         target = f"({LM_LORA}|{VISION_LORA})" if vision else LM_LORA
-        self.model = get_peft_model(self.model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=target, lora_dropout=0.0))
+        self.model = get_peft_model(
+            self.model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=target, lora_dropout=0.0)
+        )
 
     @property
     def has_lora(self) -> bool:
@@ -225,7 +236,9 @@ def response_logprobs(
     num_resp = response_ids_BT.shape[1]
     inputs = prompts.model_inputs()
     inputs["input_ids"] = torch.cat([prompts.input_ids_BL, response_ids_BT], dim=1)
-    inputs["attention_mask"] = torch.cat([prompts.attention_mask_BL, response_mask_BT.to(prompts.attention_mask_BL.dtype)], dim=1)
+    inputs["attention_mask"] = torch.cat(
+        [prompts.attention_mask_BL, response_mask_BT.to(prompts.attention_mask_BL.dtype)], dim=1
+    )
     inputs["mm_token_type_ids"] = torch.cat([prompts.mm_token_type_ids_BL, torch.zeros_like(response_ids_BT)], dim=1)
     # Logits at positions L-1 .. L+T-2 predict the T response tokens; the last one predicts nothing.
     logits_BTV = model(**inputs, logits_to_keep=num_resp + 1, use_cache=False).logits[:, :-1]
@@ -233,7 +246,11 @@ def response_logprobs(
 
 
 def token_logprobs(
-    logits_BTV: torch.Tensor, response_ids_BT: torch.Tensor, response_mask_BT: torch.Tensor, banned_token_ids: list[int], temperature: float
+    logits_BTV: torch.Tensor,
+    response_ids_BT: torch.Tensor,
+    response_mask_BT: torch.Tensor,
+    banned_token_ids: list[int],
+    temperature: float,
 ) -> torch.Tensor:
     """(B, T) log-probs of the response tokens from the logits that predict them (0 where the mask is 0)."""
     logp_BTV = torch.log_softmax(mask_banned(logits_BTV.float(), banned_token_ids) / temperature, dim=-1)
@@ -252,7 +269,9 @@ def load_policy(model_cfg, *, trainable: bool = True, seed: int | None = None) -
     policy = VLMPolicy.load(model_cfg.path, dtype=model_cfg.dtype, device=model_cfg.device)
     if model_cfg.lora_rank:
         with seeded_init(seed, model_cfg.device):
-            policy.add_lora(model_cfg.lora_rank, model_cfg.lora_alpha or model_cfg.lora_rank, vision=model_cfg.train_vision)
+            policy.add_lora(
+                model_cfg.lora_rank, model_cfg.lora_alpha or model_cfg.lora_rank, vision=model_cfg.train_vision
+            )
     elif not model_cfg.train_vision:
         policy.freeze_vision()
     if not trainable:
@@ -277,7 +296,9 @@ def load_trainable_state(policy: VLMPolicy, state: dict[str, torch.Tensor]) -> N
 
         result = set_peft_model_state_dict(policy.model, state)
         if result.unexpected_keys:
-            raise ValueError(f"LoRA state has keys this model lacks (different lora_rank or model?): {result.unexpected_keys[:3]}")
+            raise ValueError(
+                f"LoRA state has keys this model lacks (different lora_rank or model?): {result.unexpected_keys[:3]}"
+            )
         return
     params = dict(policy.model.named_parameters())
     unknown = [k for k in state if k not in params]

@@ -22,14 +22,26 @@ class Qwen2_5_VLImageProcessor(Qwen2_5_VLProcessor):
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         # The parent passes video_processor=None positionally; ProcessorMixin pairs positional
         # arguments with the attributes named in *this* signature, so the None is dropped.
-        super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+        super().__init__(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=None,
+            chat_template=chat_template,
+            **kwargs,
+        )
 
 
 class Qwen3VLImageProcessor(Qwen3VLProcessor):
     """`Qwen3VLProcessor` without its video processor (needs no torchvision)."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=chat_template, **kwargs)
+        super().__init__(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=None,
+            chat_template=chat_template,
+            **kwargs,
+        )
 
 
 PROCESSORS = {"qwen2_5_vl": Qwen2_5_VLImageProcessor, "qwen3_vl": Qwen3VLImageProcessor}
@@ -45,7 +57,9 @@ def load_processor(path: str | Path, model_type: str, *, field: str = "model.pat
         field: the config entry that named the folder, for error messages.
     """
     if model_type not in PROCESSORS:
-        raise ValueError(f"{field}: model_type {model_type!r} in {path} is not supported; use one of {sorted(PROCESSORS)}")
+        raise ValueError(
+            f"{field}: model_type {model_type!r} in {path} is not supported; use one of {sorted(PROCESSORS)}"
+        )
     processor = PROCESSORS[model_type].from_pretrained(path)
     if processor.chat_template is None:
         raise ValueError(f"{field}: {path} has no chat template (chat_template.jinja or processor config)")

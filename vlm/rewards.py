@@ -97,7 +97,9 @@ class CombinedReward:
             if name not in REWARDS:
                 close = difflib.get_close_matches(name, list(REWARDS), n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"reward.weights: unknown reward {name!r}.{hint} Registered: {', '.join(sorted(REWARDS))}")
+                raise ValueError(
+                    f"reward.weights: unknown reward {name!r}.{hint} Registered: {', '.join(sorted(REWARDS))}"
+                )
         if not weights:
             raise ValueError("reward.weights is empty; give at least one reward, e.g. {accuracy: 1.0}")
         self.weights = {name: float(w) for name, w in weights.items()}

@@ -35,10 +35,14 @@ class Rollout:
     texts: list[str]
     """B decoded responses."""
 
-
     def select(self, rows: list[int]) -> Rollout:
         """The rollout of the given rows only."""
-        return Rollout(self.prompts.select(rows), self.response_ids_BT[rows], self.response_mask_BT[rows], [self.texts[r] for r in rows])
+        return Rollout(
+            self.prompts.select(rows),
+            self.response_ids_BT[rows],
+            self.response_mask_BT[rows],
+            [self.texts[r] for r in rows],
+        )
 
 
 class RolloutEngine(Protocol):
@@ -114,7 +118,9 @@ class GumbelNoise:
         assert scores_BV.shape[0] == len(self.row_seeds), (scores_BV.shape, len(self.row_seeds))
         vocab, device = scores_BV.shape[1], scores_BV.device
         # u in (0, 1): -log(-log(u)) is standard Gumbel noise.
-        u_BV = torch.stack([torch.rand(vocab, generator=g, dtype=torch.float64, device=device) for g in self._generators_on(device)])
+        u_BV = torch.stack(
+            [torch.rand(vocab, generator=g, dtype=torch.float64, device=device) for g in self._generators_on(device)]
+        )
         gumbel_BV = -torch.log(-torch.log(u_BV.clamp(1e-20, 1.0 - 1e-12)))
         return scores_BV.float() / self.temperature + gumbel_BV.float()
 
@@ -137,9 +143,11 @@ def generation_positions(policy: VLMPolicy, prompts: PromptBatch) -> torch.Tenso
     mask_PL = prompts.attention_mask_BL
     text_PL = (mask_PL.long().cumsum(-1) - 1).masked_fill(mask_PL == 0, 0)
     rope_3PL, _ = policy.base_model.model.get_rope_index(
-        prompts.input_ids_BL, mm_token_type_ids=prompts.mm_token_type_ids_BL,
-        image_grid_thw=prompts.image_grid_thw_B3, attention_mask=mask_PL,
-    )  # fmt: skip
+        prompts.input_ids_BL,
+        mm_token_type_ids=prompts.mm_token_type_ids_BL,
+        image_grid_thw=prompts.image_grid_thw_B3,
+        attention_mask=mask_PL,
+    )
     return torch.cat([text_PL[None].to(rope_3PL.device), rope_3PL], dim=0)
 
 
@@ -187,7 +195,10 @@ class HFRolloutEngine:
             prompt_rows = prompt_rows.select(list(range(num_rows)) + [num_rows - 1] * pad)
         positions_4BL = generation_positions(policy, batch)[:, prompt_of_row]
         config = GenerationConfig(
-            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=policy.eos_token_id, pad_token_id=policy.pad_token_id
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=policy.eos_token_id,
+            pad_token_id=policy.pad_token_id,
         )
         chunks = []
         for start in range(0, prompt_rows.num_rows, self.batch_size):
@@ -197,16 +208,23 @@ class HFRolloutEngine:
             if temperature > 0:
                 processors.append(GumbelNoise(row_seeds[idx[0] : idx[-1] + 1], temperature))
             out = policy.model.generate(
-                **part.model_inputs(), position_ids=positions_4BL[:, idx].to(policy.device), generation_config=config,
-                logits_processor=processors, synced_gpus=self.synced_gpus,
-            )  # fmt: skip
+                **part.model_inputs(),
+                position_ids=positions_4BL[:, idx].to(policy.device),
+                generation_config=config,
+                logits_processor=processors,
+                synced_gpus=self.synced_gpus,
+            )
             chunks.append(out[:, part.input_ids_BL.shape[1] :].cpu())
         width = max(c.shape[1] for c in chunks)
-        response_ids_BT = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=policy.pad_token_id) for c in chunks])
+        response_ids_BT = torch.cat(
+            [torch.nn.functional.pad(c, (0, width - c.shape[1]), value=policy.pad_token_id) for c in chunks]
+        )
         if pad:  # drop the padding rows (a repeat of the last row: it adds no width)
             response_ids_BT, prompt_rows = response_ids_BT[:num_rows], prompt_rows.select(list(range(num_rows)))
         mask_BT = response_mask(response_ids_BT, policy.eos_token_id)
-        response_ids_BT = torch.where(mask_BT.bool(), response_ids_BT, torch.full_like(response_ids_BT, policy.pad_token_id))
+        response_ids_BT = torch.where(
+            mask_BT.bool(), response_ids_BT, torch.full_like(response_ids_BT, policy.pad_token_id)
+        )
         return Rollout(prompt_rows, response_ids_BT, mask_BT, policy.decode(response_ids_BT, mask_BT))
 
 

@@ -94,7 +94,9 @@ class WeightsVersion:
         """Apply the optimizer step: θ_k becomes θ_{k+1}; only once no reader of θ_k is left."""
         with self._lock:
             if self._readers:
-                raise BarrierViolation(f"θ_{self.version + 1} committed while {sorted(self._readers.values())} still read θ_{self.version}")
+                raise BarrierViolation(
+                    f"θ_{self.version + 1} committed while {sorted(self._readers.values())} still read θ_{self.version}"
+                )
             self._committing = True
         try:
             optimizer.step()
@@ -135,9 +137,11 @@ def rope_positions(policy: VLMPolicy, prompts: PromptBatch) -> tuple[torch.Tenso
     positions explicitly and never read that attribute).
     """
     positions_3PL, deltas_P1 = policy.base_model.model.get_rope_index(
-        prompts.input_ids_BL, mm_token_type_ids=prompts.mm_token_type_ids_BL,
-        image_grid_thw=prompts.image_grid_thw_B3, attention_mask=prompts.attention_mask_BL,
-    )  # fmt: skip
+        prompts.input_ids_BL,
+        mm_token_type_ids=prompts.mm_token_type_ids_BL,
+        image_grid_thw=prompts.image_grid_thw_B3,
+        attention_mask=prompts.attention_mask_BL,
+    )
     return positions_3PL, prompts.attention_mask_BL.sum(dim=1) + deltas_P1[:, 0].to(prompts.attention_mask_BL.device)
 
 
@@ -173,14 +177,20 @@ def suffix_logprobs(
     response_ids_bT = response_ids_bT.to(device)
     mask_bT = response_mask_bT.to(device)
     cache = DynamicCache([(k.index_select(0, index), v.index_select(0, index)) for k, v in prefix.kv])
-    attention_bLT = torch.cat([prefix.attention_mask_PL.index_select(0, index), mask_bT.to(prefix.attention_mask_PL.dtype)], dim=1)
+    attention_bLT = torch.cat(
+        [prefix.attention_mask_PL.index_select(0, index), mask_bT.to(prefix.attention_mask_PL.dtype)], dim=1
+    )
     # Response token t is the (t+1)-th real token after the prompt; padding gets 0 as in get_rope_index.
     step_bT = mask_bT.long().cumsum(dim=1) - 1
     positions_bT = torch.where(mask_bT.bool(), prefix.next_position_P.index_select(0, index).unsqueeze(1) + step_bT, 0)
     out = model(
-        input_ids=response_ids_bT, attention_mask=attention_bLT, position_ids=positions_bT.unsqueeze(0).expand(3, -1, -1),
-        cache=cache, use_cache=True, logits_to_keep=0,
-    )  # fmt: skip
+        input_ids=response_ids_bT,
+        attention_mask=attention_bLT,
+        position_ids=positions_bT.unsqueeze(0).expand(3, -1, -1),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=0,
+    )
     # Token 0 is predicted by the prefix's last position, token t by suffix position t - 1.
     logits_bTV = torch.cat([prefix.last_logits_PV.index_select(0, index).unsqueeze(1), out.logits[:, :-1]], dim=1)
     return token_logprobs(logits_bTV, response_ids_bT, mask_bT, policy.banned_token_ids, temperature)
@@ -192,7 +202,9 @@ def vision_frozen(policy: VLMPolicy) -> bool:
 
 def image_features(policy: VLMPolicy, prompts: PromptBatch):
     """The vision tower's output for each prompt's image (under the caller's grad mode)."""
-    return policy.base_model.model.get_image_features(prompts.pixel_values_NC, prompts.image_grid_thw_B3, return_dict=True)
+    return policy.base_model.model.get_image_features(
+        prompts.pixel_values_NC, prompts.image_grid_thw_B3, return_dict=True
+    )
 
 
 def detach_image_outputs(outputs):
@@ -212,7 +224,17 @@ class RollplexSchedule:
         overlap: run the prefixes during the decode (False: before it, for measuring the overlap's share).
     """
 
-    def __init__(self, policy: VLMPolicy, engine, reference, optimizer: torch.optim.Optimizer, cfg, *, ledger=None, overlap: bool = True):
+    def __init__(
+        self,
+        policy: VLMPolicy,
+        engine,
+        reference,
+        optimizer: torch.optim.Optimizer,
+        cfg,
+        *,
+        ledger=None,
+        overlap: bool = True,
+    ):
         self.policy, self.engine, self.reference, self.optimizer, self.cfg = policy, engine, reference, optimizer, cfg
         self.ledger, self.overlap = ledger, overlap
         self.lr_scale = 1.0  # the learning-rate factor the driver sets per update (train.lr_cooldown)
@@ -323,20 +345,45 @@ class RollplexSchedule:
         for start in range(0, len(rows), mb):
             local = list(range(start, min(start + mb, len(rows))))
             logp = suffix_logprobs(
-                self.policy, model, state, [rows[i] // G - first for i in local], batch.response_ids_BT[local], batch.response_mask_BT[local],
+                self.policy,
+                model,
+                state,
+                [rows[i] // G - first for i in local],
+                batch.response_ids_BT[local],
+                batch.response_mask_BT[local],
                 self.cfg.rollout.temperature,
-            )  # fmt: skip
+            )
             parts.append(logp.cpu())
         return torch.cat(parts)
 
     # 3. Update: suffix forward and backward per micro-batch, the prefix backward once per step.
-    def update(self, batch: Rollout | None, rows: list[int], adv_B: torch.Tensor, old_logp_BT, ref_logp_BT, iteration: int, *, shard=None) -> dict[str, float]:
+    def update(
+        self,
+        batch: Rollout | None,
+        rows: list[int],
+        adv_B: torch.Tensor,
+        old_logp_BT,
+        ref_logp_BT,
+        iteration: int,
+        *,
+        shard=None,
+    ) -> dict[str, float]:
         from vlm.train import update
 
         self._wait()
         scorer = _SuffixScorer(self, batch, rows)
         stats = update(
-            self.policy, self.optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, self.cfg, iteration, scorer=scorer, shard=shard, lr_scale=self.lr_scale
+            self.policy,
+            self.optimizer,
+            batch,
+            adv_B,
+            old_logp_BT,
+            ref_logp_BT,
+            self.cfg,
+            iteration,
+            scorer=scorer,
+            shard=shard,
+            lr_scale=self.lr_scale,
         )
         self._drop()
         return stats
@@ -346,7 +393,11 @@ class RollplexSchedule:
         from vlm.memory import tensor_bytes
 
         states = [s for s in (self._ref, self._actor) if s is not None]
-        features = [] if self._prompts is None or self._prompts.image_outputs is None else list(self._prompts.image_outputs.pooler_output)
+        features = (
+            []
+            if self._prompts is None or self._prompts.image_outputs is None
+            else list(self._prompts.image_outputs.pooler_output)
+        )
         return tensor_bytes([t for s in states for t in s.tensors()] + features)
 
     def close(self) -> None:
@@ -381,19 +432,29 @@ class _SuffixScorer:
                 self.graph = prefix_forward(s.policy, s.policy.model, sub, s.guard.version)
             self.prompt_row = {p: i for i, p in enumerate(prompts)}
         # The boundary: suffix backward passes stop at these leaves and accumulate their gradient.
-        self.leaves = self.graph.with_tensors([t.detach().requires_grad_(t.requires_grad) for t in self.graph.tensors()])
+        self.leaves = self.graph.with_tensors(
+            [t.detach().requires_grad_(t.requires_grad) for t in self.graph.tensors()]
+        )
 
     def logprobs(self, mb_rows: list[int]) -> torch.Tensor:
         ro = self.batch
         index = [self.prompt_row[self.rows[r] // self.G] for r in mb_rows]
         return suffix_logprobs(
-            self.s.policy, self.s.policy.model, self.leaves, index, ro.response_ids_BT[mb_rows], ro.response_mask_BT[mb_rows], self.s.cfg.rollout.temperature
-        )  # fmt: skip
+            self.s.policy,
+            self.s.policy.model,
+            self.leaves,
+            index,
+            ro.response_ids_BT[mb_rows],
+            ro.response_mask_BT[mb_rows],
+            self.s.cfg.rollout.temperature,
+        )
 
     def before_step(self) -> None:
         if self.leaves is None:
             return
-        pairs = [(t, leaf.grad) for t, leaf in zip(self.graph.tensors(), self.leaves.tensors()) if leaf.grad is not None]
+        pairs = [
+            (t, leaf.grad) for t, leaf in zip(self.graph.tensors(), self.leaves.tensors()) if leaf.grad is not None
+        ]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         self.leaves = None

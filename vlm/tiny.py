@@ -20,9 +20,15 @@ from vlm.config import TinyVLMConfig
 from vlm.processor import PROCESSORS, load_processor
 
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|image_pad|>", "<|video_pad|>", "[UNK]",
-]  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "[UNK]",
+]
 
 # ChatML with Qwen-VL's vision markers; the processor expands <|image_pad|> to one token per
 # merged vision patch. Written here for the tiny tokenizer (real checkpoints ship their own).
@@ -87,7 +93,12 @@ def _special_ids(tokenizer) -> dict[str, int]:
 
 def build_model(spec: TinyVLMConfig, tokenizer) -> torch.nn.Module:
     """A randomly initialised tiny VLM of `spec.family` whose vocabulary is `tokenizer`'s."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+    )
 
     ids = _special_ids(tokenizer)
     head_dim = spec.text_hidden // spec.text_heads
@@ -119,17 +130,31 @@ def build_model(spec: TinyVLMConfig, tokenizer) -> torch.nn.Module:
     if spec.family == "qwen3_vl":
         text["rope_parameters"]["mrope_interleaved"] = True
         vision = dict(
-            depth=spec.vision_depth, hidden_size=spec.vision_hidden, intermediate_size=2 * spec.vision_hidden,
-            num_heads=spec.vision_heads, out_hidden_size=spec.text_hidden, patch_size=16, spatial_merge_size=2,
-            temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[0],
-        )  # fmt: skip
+            depth=spec.vision_depth,
+            hidden_size=spec.vision_hidden,
+            intermediate_size=2 * spec.vision_hidden,
+            num_heads=spec.vision_heads,
+            out_hidden_size=spec.text_hidden,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
+        )
         cfg = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **tokens)
         return Qwen3VLForConditionalGeneration(cfg)
     vision = dict(
-        depth=spec.vision_depth, hidden_size=spec.vision_hidden, intermediate_size=2 * spec.vision_hidden,
-        num_heads=spec.vision_heads, out_hidden_size=spec.text_hidden, patch_size=14, spatial_merge_size=2,
-        temporal_patch_size=2, window_size=112, fullatt_block_indexes=list(range(spec.vision_depth)),
-    )  # fmt: skip
+        depth=spec.vision_depth,
+        hidden_size=spec.vision_hidden,
+        intermediate_size=2 * spec.vision_hidden,
+        num_heads=spec.vision_heads,
+        out_hidden_size=spec.text_hidden,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=list(range(spec.vision_depth)),
+    )
     cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **tokens)
     return Qwen2_5_VLForConditionalGeneration(cfg)
 

@@ -259,9 +259,7 @@ def plan_sharing(
         if degree < 1:
             raise ValueError(f"{role} TP degree must be at least 1, got {degree}")
     if max(train_tp, rollout_tp) % min(train_tp, rollout_tp):
-        raise ValueError(
-            f"training TP {train_tp} and rollout TP {rollout_tp} do not nest: one must divide the other"
-        )
+        raise ValueError(f"training TP {train_tp} and rollout TP {rollout_tp} do not nest: one must divide the other")
     compiled = [(re.compile(rule.pattern), rule.split) for rule in rules]
     tensors = []
     for name, shape in shapes.items():
@@ -285,9 +283,7 @@ def _check_split(name: str, shape: tuple[int, ...], split: Split, degrees: Seque
     for role, degree in degrees:
         for seg in split.segments:
             if seg.num_units % degree:
-                raise ValueError(
-                    f"{name}: {seg.num_units} {seg.what} are not divisible by {role} TP degree {degree}"
-                )
+                raise ValueError(f"{name}: {seg.num_units} {seg.what} are not divisible by {role} TP degree {degree}")
 
 
 # ---------------------------------------------------------------------------------------------

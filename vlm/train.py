@@ -49,9 +49,15 @@ from spot.cost import CostLedger
 from spotlight.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
 from spotlight.config_io import dump_yaml, save_config, to_dict
 from spotlight.distributed import (
-    DataParallel, gather_sharded_train_state, init_data_parallel, load_resume_checkpoint, load_sharded_train_state,
-    shard_module, swapped_shards, torch_threads,
-)  # fmt: skip
+    DataParallel,
+    gather_sharded_train_state,
+    init_data_parallel,
+    load_resume_checkpoint,
+    load_sharded_train_state,
+    shard_module,
+    swapped_shards,
+    torch_threads,
+)
 from spotlight.optim import apply_lr_schedule, run_cooldown_scale
 from spotlight.runlock import RunLock, remove_if_empty_run
 from spotlight.sampling import derive_seed
@@ -94,13 +100,22 @@ class Reference:
             return batched_logprobs(self.policy, ro, temperature, micro_batch_size, model=self.copy)
 
 
-def batched_logprobs(policy: VLMPolicy, ro: Rollout, temperature: float, micro_batch_size: int, *, model=None) -> torch.Tensor:
+def batched_logprobs(
+    policy: VLMPolicy, ro: Rollout, temperature: float, micro_batch_size: int, *, model=None
+) -> torch.Tensor:
     """(B, T) response log-probs in micro-batches (call under no_grad)."""
     parts = []
     for start in range(0, ro.prompts.num_rows, micro_batch_size):
         rows = list(range(start, min(start + micro_batch_size, ro.prompts.num_rows)))
         parts.append(
-            response_logprobs(policy, ro.prompts.select(rows), ro.response_ids_BT[rows], ro.response_mask_BT[rows], temperature, model=model).cpu()
+            response_logprobs(
+                policy,
+                ro.prompts.select(rows),
+                ro.response_ids_BT[rows],
+                ro.response_mask_BT[rows],
+                temperature,
+                model=model,
+            ).cpu()
         )
     return torch.cat(parts)
 
@@ -117,7 +132,9 @@ class FullForward:
     def logprobs(self, rows: list[int]) -> torch.Tensor:
         """(b, T) log-probs of the given rows, with gradient."""
         ro = self.ro
-        return response_logprobs(self.policy, ro.prompts.select(rows), ro.response_ids_BT[rows], ro.response_mask_BT[rows], self.temperature)
+        return response_logprobs(
+            self.policy, ro.prompts.select(rows), ro.response_ids_BT[rows], ro.response_mask_BT[rows], self.temperature
+        )
 
     def before_step(self) -> None:
         """Called after the minibatch's backward passes, before clipping."""
@@ -205,12 +222,18 @@ def update(
                 logp_BT = scorer.logprobs(rows)
                 old_BT = logp_BT.detach() if old_logp_BT is None else old_logp_BT[rows].to(logp_BT.device)
                 loss, s = grpo_token_loss(
-                    logp_BT, old_BT,
+                    logp_BT,
+                    old_BT,
                     ref_logp_BT[rows].to(logp_BT.device) if ref_logp_BT is not None else None,
-                    adv_B[rows].to(logp_BT.device), mask_BT.to(logp_BT.device),
-                    clip_range=tc.clip_range, clip_range_high=tc.clip_range_high or None, beta=tc.beta, agg=tc.loss_agg,
-                    num_sequences=len(mb_all), num_tokens=num_tokens,
-                )  # fmt: skip
+                    adv_B[rows].to(logp_BT.device),
+                    mask_BT.to(logp_BT.device),
+                    clip_range=tc.clip_range,
+                    clip_range_high=tc.clip_range_high or None,
+                    beta=tc.beta,
+                    agg=tc.loss_agg,
+                    num_sequences=len(mb_all),
+                    num_tokens=num_tokens,
+                )
                 loss.backward()
                 loss_total += loss.item()
                 tokens = float(mask_BT.sum())
@@ -220,7 +243,10 @@ def update(
             if shard.owner_N is not None:  # FSDP: as many forwards and backwards as the busiest rank
                 counts = torch.bincount(shard.owner_N[mb_all], minlength=shard.dp.world_size).tolist()
                 spare = FullForward(policy, shard.spare, cfg.rollout.temperature)
-                for _ in range(max(math.ceil(c / tc.micro_batch_size) for c in counts) - math.ceil(len(mb_rows) / tc.micro_batch_size)):
+                for _ in range(
+                    max(math.ceil(c / tc.micro_batch_size) for c in counts)
+                    - math.ceil(len(mb_rows) / tc.micro_batch_size)
+                ):
                     (spare.logprobs([0]).sum() * 0.0).backward()
             scorer.before_step()
             shard.dp.all_reduce_grads(params)  # the one-process minibatch gradient, before clipping (FSDP: done)
@@ -244,13 +270,22 @@ class SerialSchedule:
     they belong to, and `update` this rank's `UpdateShard` (`batch` None: none of the update's rows).
     """
 
-    def __init__(self, policy: VLMPolicy, engine: RolloutEngine, reference: Reference, optimizer: torch.optim.Optimizer, cfg: VLMRecipe):
+    def __init__(
+        self,
+        policy: VLMPolicy,
+        engine: RolloutEngine,
+        reference: Reference,
+        optimizer: torch.optim.Optimizer,
+        cfg: VLMRecipe,
+    ):
         self.policy, self.engine, self.reference, self.optimizer, self.cfg = policy, engine, reference, optimizer, cfg
         self.lr_scale = 1.0  # the learning-rate factor the driver sets per update (train.lr_cooldown)
 
     def rollout(self, prompts, seed: int, rows: range | None = None, pad: int = 0) -> Rollout:
         rc = self.cfg.rollout
-        return self.engine.generate(prompts, rc.group_size, rc.max_new_tokens, rc.temperature, seed=seed, rows=rows, pad=pad)
+        return self.engine.generate(
+            prompts, rc.group_size, rc.max_new_tokens, rc.temperature, seed=seed, rows=rows, pad=pad
+        )
 
     def reference_logprobs(self, batch: Rollout, rows: list[int]) -> torch.Tensor:
         return self.reference.logprobs(batch, self.cfg.rollout.temperature, self.cfg.train.micro_batch_size)
@@ -260,15 +295,41 @@ class SerialSchedule:
         return batched_logprobs(self.policy, batch, self.cfg.rollout.temperature, self.cfg.train.micro_batch_size)
 
     def update(
-        self, batch: Rollout | None, rows: list[int], adv_B: torch.Tensor, old_logp_BT, ref_logp_BT, iteration: int, *, shard: UpdateShard | None = None
+        self,
+        batch: Rollout | None,
+        rows: list[int],
+        adv_B: torch.Tensor,
+        old_logp_BT,
+        ref_logp_BT,
+        iteration: int,
+        *,
+        shard: UpdateShard | None = None,
     ) -> dict[str, float]:
-        return update(self.policy, self.optimizer, batch, adv_B, old_logp_BT, ref_logp_BT, self.cfg, iteration, shard=shard, lr_scale=self.lr_scale)
+        return update(
+            self.policy,
+            self.optimizer,
+            batch,
+            adv_B,
+            old_logp_BT,
+            ref_logp_BT,
+            self.cfg,
+            iteration,
+            shard=shard,
+            lr_scale=self.lr_scale,
+        )
 
     def close(self) -> None:
         pass
 
 
-def make_schedule(name: str, policy: VLMPolicy, engine: RolloutEngine, reference: Reference, optimizer: torch.optim.Optimizer, cfg: VLMRecipe):
+def make_schedule(
+    name: str,
+    policy: VLMPolicy,
+    engine: RolloutEngine,
+    reference: Reference,
+    optimizer: torch.optim.Optimizer,
+    cfg: VLMRecipe,
+):
     """The `train.schedule` of the recipe."""
     if name == "rollplex":
         from vlm.rollplex import RollplexSchedule  # imports this module
@@ -311,17 +372,23 @@ def shard_policy(policy: VLMPolicy, dp: DataParallel, cfg: VLMRecipe) -> tuple[i
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     hint = "Qwen2_5_VLDecoderLayer,Qwen2_5_VLVisionBlock (Qwen3-VL: Qwen3VLTextDecoderLayer,Qwen3VLVisionBlock)"
     counts = shard_module(
-        policy.base_model, dp, enable_checkpointing=lambda: checkpoint_layers(policy), hint=hint,
+        policy.base_model,
+        dp,
+        enable_checkpointing=lambda: checkpoint_layers(policy),
+        hint=hint,
         units=[policy.base_model.model.visual],
-    )  # fmt: skip
+    )
     # FSDP2 takes the first sharded module to run forward as the root, and `generate` runs the
     # vision tower before the model: one forward of the whole model (a one-token score) goes first.
     first = TrainStream(cfg.task, seed=cfg.train.seed).batch(0, 1)[0]
     with torch.no_grad():
         response_logprobs(
-            policy, policy.encode([first.question], [example_image(first, cfg.task)]),
-            torch.tensor([[policy.eos_token_id]]), torch.ones(1, 1, dtype=torch.long), cfg.rollout.temperature,
-        )  # fmt: skip
+            policy,
+            policy.encode([first.question], [example_image(first, cfg.task)]),
+            torch.tensor([[policy.eos_token_id]]),
+            torch.ones(1, 1, dtype=torch.long),
+            cfg.rollout.temperature,
+        )
     # The root keeps its weights gathered after a forward: shard them again before the optimizer
     # and the reference take the parameters (the shards).
     for m in policy.model.modules():
@@ -334,7 +401,9 @@ def gather_rewards(dp: DataParallel, local: RewardResult) -> RewardResult:
     """The whole batch's rewards on every rank, from each rank's rewards of its rows (rank order)."""
     if dp.world_size == 1:
         return local
-    return RewardResult(dp.all_gather_rows(local.total_B), {k: dp.all_gather_rows(v) for k, v in local.components.items()})
+    return RewardResult(
+        dp.all_gather_rows(local.total_B), {k: dp.all_gather_rows(v) for k, v in local.components.items()}
+    )
 
 
 def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, progress: bool = True) -> dict:
@@ -351,7 +420,9 @@ def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, pr
                 cfg.validate()  # before anything is written: a bad recipe leaves no run dir behind
                 lock = RunLock(run_dir, "spotlight vlm train")  # one writer per run directory
                 # The cost clock starts before anything loads (spot.cost); a launch of N processes holds N GPUs.
-                ledger = CostLedger(run_dir, replace(cfg.cost, trainer_gpus=max(cfg.cost.trainer_gpus, dp.world_size)), resume=resume)
+                ledger = CostLedger(
+                    run_dir, replace(cfg.cost, trainer_gpus=max(cfg.cost.trainer_gpus, dp.world_size)), resume=resume
+                )
             except BaseException as err:
                 setup_error = err
         dp.started(setup_error)
@@ -367,17 +438,23 @@ def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, pr
             lock.release()
 
 
-def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger | None, *, resume: bool, progress: bool) -> dict:
+def _train(
+    cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger | None, *, resume: bool, progress: bool
+) -> dict:
     """The iteration loop (every rank runs it; rank 0 writes, and charges the ledger)."""
     console = Console(quiet=not progress)
     tc, P, G = cfg.train, cfg.train.prompts_per_iteration, cfg.rollout.group_size
     # Prompts rolled out per iteration: P, plus the refill candidates of dynamic sampling.
     num_rollout = P + tc.refill_prompts
     if num_rollout * G < dp.world_size:
-        raise ValueError(f"train.prompts_per_iteration * rollout.group_size = {P * G} samples for {dp.world_size} processes: give every process at least one")
+        raise ValueError(
+            f"train.prompts_per_iteration * rollout.group_size = {P * G} samples for {dp.world_size} processes: give "
+            "every process at least one"
+        )
     if dp.sharded and tc.schedule == "rollplex":
         raise ValueError(
-            "train.schedule=rollplex does not run under FSDP: its prefix passes run in a worker thread while the rollout "
+            "train.schedule=rollplex does not run under FSDP: its prefix passes run in a worker thread while the "
+            "rollout "
             "decodes, and FSDP's all-gathers must run in one order on every rank; set train.schedule=serial, or launch "
             "with configs/accelerate/multi-gpu-ddp.yaml (full replicas, both schedules)"
         )
@@ -391,7 +468,8 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger |
         console.print(f"fsdp: model sharded over {dp.world_size} ranks, local parameters {counts} of {full}")
     params = [p for p in policy.model.parameters() if p.requires_grad]
     if not dp.sharded:
-        # Every replica starts from rank 0's weights, as DDP does (the LoRA init follows train.seed already; this also covers a policy loaded otherwise).
+        # Every replica starts from rank 0's weights, as DDP does (the LoRA init follows train.seed already;
+        # this also covers a policy loaded otherwise).
         dp.broadcast_tensors(params)
     engine = ENGINES[cfg.rollout.engine](policy, batch_size=cfg.rollout.batch_size, synced_gpus=dp.sharded)
     reference = Reference(policy, tc.beta, sharded=dp.sharded)
@@ -406,7 +484,9 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger |
     last_ckpt: Path | None = None if ckpt is None else ckpt.path
     if ckpt is not None:
         if dp.sharded:  # a collective: rank 0's state is broadcast, each rank keeps its shards
-            load_sharded_train_state(dp, policy.model, policy.has_lora, optimizer, ckpt.tensors["trainable"], ckpt.optimizer_state)
+            load_sharded_train_state(
+                dp, policy.model, policy.has_lora, optimizer, ckpt.tensors["trainable"], ckpt.optimizer_state
+            )
         else:
             load_trainable_state(policy, ckpt.tensors["trainable"])
             optimizer.load_state_dict(ckpt.optimizer_state)
@@ -423,15 +503,22 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger |
         if state is None:
             return None
         return save_checkpoint(
-            run_dir, step,
+            run_dir,
+            step,
             tensors={"trainable": state[0]},
             optimizer_state=state[1],
             rng_state=capture_rng_state(),
-            meta={"kind": "vlm", "step": step, "metrics": metrics, "lora_rank": cfg.model.lora_rank, "lora_alpha": cfg.model.lora_alpha,
-                  "train_vision": cfg.model.train_vision},
+            meta={
+                "kind": "vlm",
+                "step": step,
+                "metrics": metrics,
+                "lora_rank": cfg.model.lora_rank,
+                "lora_alpha": cfg.model.lora_alpha,
+                "train_vision": cfg.model.train_vision,
+            },
             config_yaml=dump_yaml(cfg),
             keep_last=cfg.log.keep_last,
-        )  # fmt: skip
+        )
 
     # With a single epoch and a single minibatch the update runs at the weights that sampled, so
     # the old log-probs are the new ones detached (same weights, same inputs): skip that pass.
@@ -442,12 +529,32 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger |
     # Where each rank's rows start and end (FSDP: the update's micro-batch counts of every rank).
     bounds = [num_rollout * G * r // dp.world_size for r in range(dp.world_size + 1)]
     if dp.world_size > 1:
-        console.print(f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {num_rollout * G} samples on rank 0")
+        console.print(
+            f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {num_rollout * G} samples on "
+            "rank 0"
+        )
     history: list[dict] = []
     budget = IterationBudget(tc.max_minutes)
     cooling = tc.lr_cooldown > 0 and tc.max_minutes > 0
-    columns = [TextColumn("[bold]VLM GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}")]
-    tracking = Tracker(run_dir, project=cfg.log.wandb_project, run_name=cfg.name, mode=cfg.log.wandb_mode, config=to_dict(cfg), resume_step=start_iter) if dp.is_main else contextlib.nullcontext()
+    columns = [
+        TextColumn("[bold]VLM GRPO"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    ]
+    tracking = (
+        Tracker(
+            run_dir,
+            project=cfg.log.wandb_project,
+            run_name=cfg.name,
+            mode=cfg.log.wandb_mode,
+            config=to_dict(cfg),
+            resume_step=start_iter,
+        )
+        if dp.is_main
+        else contextlib.nullcontext()
+    )
     with tracking as tracker, Progress(*columns, console=console) as bar:
         task = bar.add_task("", total=tc.num_iterations, completed=start_iter)
         for it in range(start_iter, tc.num_iterations):
@@ -501,11 +608,16 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger |
                 # 4. Policy update; gradients summed over ranks. Over the last train.lr_cooldown of the
                 #    run at a falling learning rate (rank 0's clock decides for every rank).
                 if cooling:
-                    schedule.lr_scale = dp.broadcast_object(run_cooldown_scale(budget, it + 1, tc.num_iterations, tc.lr_cooldown, tc.lr_cooldown_floor))
+                    schedule.lr_scale = dp.broadcast_object(
+                        run_cooldown_scale(budget, it + 1, tc.num_iterations, tc.lr_cooldown, tc.lr_cooldown_floor)
+                    )
                 shard = UpdateShard(
-                    dp, rows.index(local[0]) if local else 0, num_tokens_B[rows],
-                    owner_N=owner_N, spare=ro.select([0]) if dp.sharded else None,
-                )  # fmt: skip
+                    dp,
+                    rows.index(local[0]) if local else 0,
+                    num_tokens_B[rows],
+                    owner_N=owner_N,
+                    spare=ro.select([0]) if dp.sharded else None,
+                )
                 stats = schedule.update(batch, local, adv_B[local], old_logp_BT, ref_logp_BT, it, shard=shard)
             t4 = time.monotonic()
 
@@ -528,10 +640,16 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger |
             # The held-out eval, split over the ranks (every rank takes part; rank 0 logs it).
             if cfg.eval.every and step % cfg.eval.every == 0:
                 summary = evaluate(
-                    policy, cfg.task, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.rollout.max_new_tokens,
-                    synced_gpus=dp.sharded, dp=dp,
-                )  # fmt: skip
-                metrics.update({f"eval/{k}": v for k, v in summary.items() if k.startswith("accuracy") or k == "format_rate"})
+                    policy,
+                    cfg.task,
+                    batch_size=cfg.eval.batch_size,
+                    max_new_tokens=cfg.rollout.max_new_tokens,
+                    synced_gpus=dp.sharded,
+                    dp=dp,
+                )
+                metrics.update(
+                    {f"eval/{k}": v for k, v in summary.items() if k.startswith("accuracy") or k == "format_rate"}
+                )
             if dp.is_main:
                 if ledger is not None:
                     ledger.charge(spot_gpus=0)  # the VLM path runs on its trainer's GPUs only
@@ -541,10 +659,15 @@ def _train(cfg: VLMRecipe, run_dir: Path, dp: DataParallel, ledger: CostLedger |
             # decides for every rank, so that all of them stop after the same iteration.
             out_of_time = step < tc.num_iterations and dp.broadcast_object(not budget.next_fits())
             if step % cfg.log.checkpoint_every == 0 or step == tc.num_iterations or out_of_time:
-                last_ckpt = checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith("time/")}) or last_ckpt
+                last_ckpt = (
+                    checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith("time/")}) or last_ckpt
+                )
             bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
             if out_of_time:
-                console.print(f"train.max_minutes={tc.max_minutes}: iteration {step + 1} would not end in time; stopping after {step}")
+                console.print(
+                    f"train.max_minutes={tc.max_minutes}: iteration {step + 1} would not end in time; stopping after "
+                    f"{step}"
+                )
                 break
 
     schedule.close()
@@ -569,5 +692,7 @@ def _summary(history: list[dict], start_iter: int, seconds: float, last_ckpt: Pa
 def _print_summary(console: Console, summary: dict) -> None:
     table = Table(title="spotlight vlm train", show_header=False)
     for key, value in summary.items():
-        table.add_row(key.replace("_", " "), f"{value:.4f}" if isinstance(value, float) and key != "seconds" else str(value))
+        table.add_row(
+            key.replace("_", " "), f"{value:.4f}" if isinstance(value, float) and key != "seconds" else str(value)
+        )
     console.print(table)

@@ -72,7 +72,9 @@ def pretrain_vision(policy: VLMPolicy, cfg: WarmStartRecipe, bar: Progress | Non
     for step in range(cfg.vision_pretrain_steps):
         examples = stream.batch(step, cfg.batch_size)
         prompts = policy.encode([e.question for e in examples], [example_image(e, cfg.task) for e in examples])
-        tokens = model.get_image_features(prompts.pixel_values_NC, prompts.image_grid_thw_B3, return_dict=True).pooler_output
+        tokens = model.get_image_features(
+            prompts.pixel_values_NC, prompts.image_grid_thw_B3, return_dict=True
+        ).pooler_output
         if any(t.shape[0] != grid * grid for t in tokens):
             raise ValueError(
                 f"vision pretraining needs one merged token per grid cell ({grid * grid} per image), got "
@@ -100,7 +102,10 @@ def warm_start(cfg: WarmStartRecipe, out: str | Path, *, progress: bool = True, 
     """
     out = Path(out)
     if out.exists() and not force:
-        raise ValueError(f"--out {out} exists{'' if out.is_dir() else ' (a file)'}; pass --force to replace it, or choose another --out")
+        raise ValueError(
+            f"--out {out} exists{'' if out.is_dir() else ' (a file)'}; pass --force to replace it, or choose another "
+            "--out"
+        )
     if out.exists():
         shutil.rmtree(out) if out.is_dir() else out.unlink()
     with torch_threads(cfg.num_threads):  # for the warm start only
@@ -116,9 +121,12 @@ def _warm_start(cfg: WarmStartRecipe, out: Path, progress: bool) -> dict:
     stream = TrainStream(cfg.task, seed=cfg.seed)
     losses: list[float] = []
     columns = [
-        TextColumn("[bold]warm start: {task.fields[phase]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("[bold]warm start: {task.fields[phase]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
         TextColumn("{task.description}"),
-    ]  # fmt: skip
+    ]
     with Progress(*columns, console=console) as bar:
         vision_losses = pretrain_vision(policy, cfg, bar)
         if cfg.freeze_vision:

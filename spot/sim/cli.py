@@ -26,21 +26,46 @@ def add_subcommands(sub) -> None:
     src.add_argument("--trace", type=Path, help="spot trace (parcae csv/jsonl, bamboo csv, skypilot json)")
     src.add_argument("--synthetic", action="store_true", help="a seeded synthetic trace instead")
     prof = p.add_mutually_exclusive_group()
-    prof.add_argument("--profile", default="qwen-image-512", help="built-in profile (qwen-image-512, qwen-image-1280) or a YAML/JSON file")
-    prof.add_argument("--profile-from-run", type=Path, metavar="RUN_DIR", help="measure the profile from a run directory")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="change a profile field, e.g. --set node_startup_s=5 (repeatable)")
-    p.add_argument("--trainer-gpus", type=int, default=4, help="on-demand trainer GPUs of spotlight / disaggregated (default 4)")
+    prof.add_argument(
+        "--profile",
+        default="qwen-image-512",
+        help="built-in profile (qwen-image-512, qwen-image-1280) or a YAML/JSON file",
+    )
+    prof.add_argument(
+        "--profile-from-run", type=Path, metavar="RUN_DIR", help="measure the profile from a run directory"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="change a profile field, e.g. --set node_startup_s=5 (repeatable)",
+    )
+    p.add_argument(
+        "--trainer-gpus", type=int, default=4, help="on-demand trainer GPUs of spotlight / disaggregated (default 4)"
+    )
     p.add_argument("--spot-gpus", type=int, default=8, help="peak spot GPUs: the trace is rescaled to it (default 8)")
     p.add_argument("--baseline-gpus", type=int, help="on-demand GPUs of ondemand / inline (default: trainer + spot)")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of {', '.join(POLICIES)}")
     p.add_argument("--planner", default="bandit", help="exploration planner (bandit, uniform, greedy)")
-    p.add_argument("--planner-family", default="", metavar="SPEC",
-                   help="the bandit's prompt families, as explore.planner_family: '' (one), shapes_counts, matches:REGEX")
-    p.add_argument("--reward-table", type=Path, help="reward table of a real run (.npz/.json); default: a synthetic one")
+    p.add_argument(
+        "--planner-family",
+        default="",
+        metavar="SPEC",
+        help="the bandit's prompt families, as explore.planner_family: '' (one), shapes_counts, matches:REGEX",
+    )
+    p.add_argument(
+        "--reward-table", type=Path, help="reward table of a real run (.npz/.json); default: a synthetic one"
+    )
     p.add_argument("--on-demand-price", type=float, default=4.0, help="USD per on-demand GPU-hour (default 4.0)")
-    p.add_argument("--spot-discount", type=float, default=0.7, help="spot price = on-demand x (1 - discount) (default 0.7)")
-    p.add_argument("--spot-price-history", type=Path, help="JSON [[seconds from start, USD per GPU-hour], ...] instead of the discount")
+    p.add_argument(
+        "--spot-discount", type=float, default=0.7, help="spot price = on-demand x (1 - discount) (default 0.7)"
+    )
+    p.add_argument(
+        "--spot-price-history",
+        type=Path,
+        help="JSON [[seconds from start, USD per GPU-hour], ...] instead of the discount",
+    )
     p.add_argument("--notice-s", type=float, default=0.0, help="give every preemption a notice this many seconds ahead")
     p.add_argument("--no-elastic", action="store_true", help="SP groups restart cold after a loss")
     p.add_argument("--no-handoff", action="store_true", help="no tail hand-off in the pull queue")
@@ -55,7 +80,11 @@ def load_spot_prices(path: Path) -> list[list[float]]:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"--spot-price-history {path}: {err}") from None
-    ok = isinstance(doc, list) and doc and all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, (int, float)) for x in r) for r in doc)
+    ok = (
+        isinstance(doc, list)
+        and doc
+        and all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, (int, float)) for x in r) for r in doc)
+    )
     if not ok:
         raise ValueError(f"--spot-price-history {path}: expected [[seconds, usd_per_gpu_hour], ...]")
     return sorted([float(t), float(u)] for t, u in doc)
@@ -69,7 +98,9 @@ def build_setup(args: argparse.Namespace):
 
     if args.spot_gpus < 1 or args.trainer_gpus < 1:
         raise ValueError("--spot-gpus and --trainer-gpus must be >= 1")
-    profile = profile_from_run(args.profile_from_run, trainer_gpus=1) if args.profile_from_run else load_profile(args.profile)
+    profile = (
+        profile_from_run(args.profile_from_run, trainer_gpus=1) if args.profile_from_run else load_profile(args.profile)
+    )
     if args.set:
         changes = {}
         for item in args.set:
@@ -81,7 +112,11 @@ def build_setup(args: argparse.Namespace):
     if args.synthetic:
         # About one preemption per node every two hours, replaced 10 minutes later.
         trace = synthetic_trace(
-            num_nodes=args.spot_gpus, duration_s=12 * 3600, preemptions_per_node_hour=0.5, replacement_delay_s=600.0, seed=args.seed
+            num_nodes=args.spot_gpus,
+            duration_s=12 * 3600,
+            preemptions_per_node_hour=0.5,
+            replacement_delay_s=600.0,
+            seed=args.seed,
         )
     else:
         if not args.trace.is_file():
@@ -92,7 +127,9 @@ def build_setup(args: argparse.Namespace):
     if args.reward_table:
         table = load_reward_table(args.reward_table)
     else:
-        table = synthetic_reward_table(seed=args.seed, prompts_per_iteration=profile.prompts_per_iteration, group_size=profile.group_size)
+        table = synthetic_reward_table(
+            seed=args.seed, prompts_per_iteration=profile.prompts_per_iteration, group_size=profile.group_size
+        )
     return Setup(
         profile=profile,
         trace=trace,
@@ -119,7 +156,9 @@ def run_policies(setup, policies: list[str], *, quiet: bool = False) -> dict:
     with Progress(disable=quiet, transient=True) as bar:
         for name in policies:
             task = bar.add_task(f"simulating {name}", total=1.0)
-            results[name] = simulate(name, setup, progress_cb=lambda _n, _k, frac, task=task: bar.update(task, completed=min(frac, 1.0)))
+            results[name] = simulate(
+                name, setup, progress_cb=lambda _n, _k, frac, task=task: bar.update(task, completed=min(frac, 1.0))
+            )
     return results
 
 
@@ -146,10 +185,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for name, row in doc["policies"].items():
         util = row["spot_utilisation"]
         table.add_row(
-            name, f"{row['wall_s'] / 3600:.1f}", f"{row['cost_usd']:,.0f}", f"{row.get('cost_ratio_vs_ondemand') or 0:.2f}",
-            f"{row.get('time_to_target_ratio_vs_ondemand') or 0:.2f}", "-" if util is None else f"{util:.0%}",
-            f"{row['work_lost_gpu_s'] / 3600:.2f}", str(row["preemptions"]),
-        )  # fmt: skip
+            name,
+            f"{row['wall_s'] / 3600:.1f}",
+            f"{row['cost_usd']:,.0f}",
+            f"{row.get('cost_ratio_vs_ondemand') or 0:.2f}",
+            f"{row.get('time_to_target_ratio_vs_ondemand') or 0:.2f}",
+            "-" if util is None else f"{util:.0%}",
+            f"{row['work_lost_gpu_s'] / 3600:.2f}",
+            str(row["preemptions"]),
+        )
     Console().print(table)
-    print(f"ratios are on-demand only ({setup.baseline_gpus} GPUs) over each policy; outputs in {args.out}/", file=sys.stderr)
+    print(
+        f"ratios are on-demand only ({setup.baseline_gpus} GPUs) over each policy; outputs in {args.out}/",
+        file=sys.stderr,
+    )
     return 0

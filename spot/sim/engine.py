@@ -296,8 +296,12 @@ class Cluster:
         while len(spare) >= p.min_sp_degree:
             group, spare = tuple(spare[: p.sp_degree]), spare[p.sp_degree :]
             # Fresh GPUs (their model loaded during start-up) form a new group in reform_s.
-            self._new_worker(group, spot=True, speed=min(self.node_speed(n) for n in group),
-                             available_at=self.loop.now + delay + (p.reform_s if len(group) > 1 else 0.0))  # fmt: skip
+            self._new_worker(
+                group,
+                spot=True,
+                speed=min(self.node_speed(n) for n in group),
+                available_at=self.loop.now + delay + (p.reform_s if len(group) > 1 else 0.0),
+            )
         self._spare = set(spare)
         self._record()
 
@@ -307,7 +311,9 @@ class Cluster:
         w.state = "left"
         if self._queue is not None:
             self._lost_to_queue(w.wid)  # holds no lease; fence the old id
-        self._new_worker(gpus, spot=True, speed=min(self.node_speed(n) for n in gpus), available_at=self.loop.now + delay)
+        self._new_worker(
+            gpus, spot=True, speed=min(self.node_speed(n) for n in gpus), available_at=self.loop.now + delay
+        )
 
     def _leave(self, w: Worker) -> None:
         """After a notice: the worker is done; its surviving GPUs regroup."""
@@ -348,7 +354,9 @@ class Cluster:
 
     def _repush(self) -> None:
         """As the runtime's push: a lost worker's jobs go to the least-loaded workers ready now."""
-        targets = [w.wid for w in self.live_workers() if w.spot in self._phase_pools and w.available_at <= self.loop.now]
+        targets = [
+            w.wid for w in self.live_workers() if w.spot in self._phase_pools and w.available_at <= self.loop.now
+        ]
         if self._orphaned and targets:
             for wid in self._orphaned:
                 self._queue.reassign(wid, targets)
@@ -361,8 +369,12 @@ class Cluster:
         if not rest:
             return
         if len(rest) >= p.min_sp_degree:
-            self._new_worker(rest, spot=True, speed=min(self.node_speed(n) for n in rest),
-                             available_at=self.loop.now + delay + self._reform_cost)  # fmt: skip
+            self._new_worker(
+                rest,
+                spot=True,
+                speed=min(self.node_speed(n) for n in rest),
+                available_at=self.loop.now + delay + self._reform_cost,
+            )
         else:  # too few to run: they wait for more GPUs
             self.loop.at(self.loop.now + delay, self._return_spare, rest)
 
@@ -526,7 +538,7 @@ class Cluster:
     def finish(self) -> None:
         """Close the books at the current time: nodes still held are paid up to now."""
         now = self.loop.now
-        for name, since in self._node_added.items():
+        for since in self._node_added.values():
             self.spot.usage.append([since, now, 1.0])
         self.spot.held_gpu_s = sum((b - a) * g for a, b, g in self.spot.usage)
         self.on_demand.usage = [[0.0, now, float(self.on_demand_gpus)]] if self.on_demand_gpus else []

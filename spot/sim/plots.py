@@ -8,7 +8,9 @@ from pathlib import Path
 from spot.sim.policies import PolicyResult, Setup, compare
 
 
-def write_outputs(out_dir: str | Path, results: dict[str, PolicyResult], setup: Setup, *, extra: dict | None = None) -> dict:
+def write_outputs(
+    out_dir: str | Path, results: dict[str, PolicyResult], setup: Setup, *, extra: dict | None = None
+) -> dict:
     """Write `simulation.json` and the plots under `out_dir`; returns the JSON document."""
     import matplotlib
 

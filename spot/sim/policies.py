@@ -98,7 +98,10 @@ class Learning:
         rows = [np.asarray(r, dtype=np.float64) for it in table.iterations for r in it.values()]
         self.pool = max(r.size for r in rows)
         if self.pool <= self.G:
-            raise ValueError(f"reward table {table.source!r}: {self.pool} candidates per prompt, no more than G={self.G}: nothing to select")
+            raise ValueError(
+                f"reward table {table.source!r}: {self.pool} candidates per prompt, "
+                f"no more than G={self.G}: nothing to select"
+            )
         base = np.array([captured_variance(r, 0, self.G) for r in rows])
         full = np.array([captured_variance(r, self.pool, self.G) for r in rows])
         gain = float(np.mean(full - base))
@@ -175,7 +178,12 @@ def simulate(policy: str, setup: Setup, *, progress_cb=None) -> PolicyResult:
     uses_spot = policy in ("spotlight", "disaggregated")
     trainer_gpus = setup.trainer_gpus if uses_spot else setup.baseline_gpus
     cluster = Cluster(
-        loop, p, setup.trace if uses_spot else None, on_demand_gpus=trainer_gpus, elastic=setup.elastic, handoff=setup.handoff
+        loop,
+        p,
+        setup.trace if uses_spot else None,
+        on_demand_gpus=trainer_gpus,
+        elastic=setup.elastic,
+        handoff=setup.handoff,
     )
     learning = Learning(setup.table, p)
     explores = policy in ("inline", "spotlight")
@@ -274,7 +282,9 @@ def simulate(policy: str, setup: Setup, *, progress_cb=None) -> PolicyResult:
         if progress_cb is not None:
             progress_cb(policy, k, progress / p.iterations_to_target)
     cluster.finish()
-    return _result(policy, setup, cluster, loop, k, budgets, rollout_times, ends, progress_curve, fallbacks, recomputed, handoffs)
+    return _result(
+        policy, setup, cluster, loop, k, budgets, rollout_times, ends, progress_curve, fallbacks, recomputed, handoffs
+    )
 
 
 def _result(policy, setup, cluster, loop, k, budgets, rollout_times, ends, curve, fallbacks, recomputed, handoffs):
@@ -290,7 +300,9 @@ def _result(policy, setup, cluster, loop, k, budgets, rollout_times, ends, curve
         cost_usd=od_usd + spot_usd,
         cost_on_demand_usd=od_usd,
         cost_spot_usd=spot_usd,
-        on_demand_utilisation=cluster.on_demand.busy_gpu_s / cluster.on_demand.held_gpu_s if cluster.on_demand.held_gpu_s else 0.0,
+        on_demand_utilisation=cluster.on_demand.busy_gpu_s / cluster.on_demand.held_gpu_s
+        if cluster.on_demand.held_gpu_s
+        else 0.0,
         spot_utilisation=cluster.spot.busy_gpu_s / held if held else None,
         work_lost_gpu_s=cluster.spot.lost_gpu_s,
         explore_cut_gpu_s=cluster.spot.cut_gpu_s + cluster.on_demand.cut_gpu_s,

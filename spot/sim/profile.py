@@ -91,15 +91,30 @@ class Profile:
     """Where the numbers come from."""
 
     def __post_init__(self):
-        for f in ("prompts_per_iteration", "group_size", "num_steps", "samples_per_job", "iterations_to_target",
-                  "commit_every", "sp_degree", "min_sp_degree"):  # fmt: skip
+        for f in (
+            "prompts_per_iteration",
+            "group_size",
+            "num_steps",
+            "samples_per_job",
+            "iterations_to_target",
+            "commit_every",
+            "sp_degree",
+            "min_sp_degree",
+        ):
             if getattr(self, f) < 1:
                 raise ValueError(f"profile {self.name!r}: {f} must be >= 1, got {getattr(self, f)}")
         for f in ("job_step_s",):
             if not getattr(self, f) > 0:
                 raise ValueError(f"profile {self.name!r}: {f} must be > 0, got {getattr(self, f)}")
-        for f in ("reward_gpu_s_per_sample", "update_gpu_s", "weight_sync_s", "node_startup_s", "detect_s",
-                  "reform_s", "cold_restart_s"):  # fmt: skip
+        for f in (
+            "reward_gpu_s_per_sample",
+            "update_gpu_s",
+            "weight_sync_s",
+            "node_startup_s",
+            "detect_s",
+            "reform_s",
+            "cold_restart_s",
+        ):
             v = getattr(self, f)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"profile {self.name!r}: {f} must be a finite number >= 0, got {v}")
@@ -108,7 +123,10 @@ class Profile:
         if self.min_sp_degree > self.sp_degree:
             raise ValueError(f"profile {self.name!r}: min_sp_degree {self.min_sp_degree} > sp_degree {self.sp_degree}")
         if not (math.isfinite(self.selection_iterations_ratio) and self.selection_iterations_ratio > 0):
-            raise ValueError(f"profile {self.name!r}: selection_iterations_ratio must be a finite number > 0, got {self.selection_iterations_ratio}")
+            raise ValueError(
+                f"profile {self.name!r}: selection_iterations_ratio must be a finite number > 0, "
+                f"got {self.selection_iterations_ratio}"
+            )
         if not 0 <= self.stale_gain_share <= 1:
             raise ValueError(f"profile {self.name!r}: stale_gain_share must be in [0, 1], got {self.stale_gain_share}")
         if self.group_size < 2:
@@ -209,7 +227,9 @@ def profile_from_dict(doc: dict, *, where: str) -> Profile:
     for key in doc:
         if key not in valid:
             near = difflib.get_close_matches(key, valid, n=1)
-            raise ValueError(f"{where}: unknown profile field {key!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+            raise ValueError(
+                f"{where}: unknown profile field {key!r}" + (f"; did you mean {near[0]!r}?" if near else "")
+            )
     base = dict(BUILTIN[base_name]) if base_name else {}
     try:
         return Profile(**{**base, **doc})

@@ -48,7 +48,6 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
-
 SP_BACKENDS = ("ours", "xfuser")
 """Attention cores of the sequence-parallel forward (`parallel.sp_backend`)."""
 
@@ -219,7 +218,9 @@ class UlyssesAttnProcessor:
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if encoder_hidden_states is None or image_rotary_emb is None:
-            raise ValueError("UlyssesAttnProcessor needs encoder_hidden_states and image_rotary_emb (Qwen-Image blocks)")
+            raise ValueError(
+                "UlyssesAttnProcessor needs encoder_hidden_states and image_rotary_emb (Qwen-Image blocks)"
+            )
         if attention_mask is not None:
             raise ValueError("UlyssesAttnProcessor builds the joint mask from encoder_hidden_states_mask; pass that")
         degree, rank = self.ctx.degree, self.ctx.rank
@@ -257,7 +258,9 @@ class UlyssesAttnProcessor:
         txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs_TF, use_real=False)
 
         # Keys are [text, padded image]: the mask drops padded prompt tokens and the image padding.
-        mask = joint_mask(encoder_hidden_states_mask, batch, txt_len, degree * local_len, valid_len, hidden_states.device)
+        mask = joint_mask(
+            encoder_hidden_states_mask, batch, txt_len, degree * local_len, valid_len, hidden_states.device
+        )
         if self.ctx.xfuser is not None:
             txt_out, img_out = self.ctx.xfuser.attend(txt_q, txt_k, txt_v, img_q, img_k, img_v, mask, degree)
         else:

@@ -66,22 +66,28 @@ def load_xfuser() -> SimpleNamespace:
     except importlib.metadata.PackageNotFoundError:
         raise ImportError(f"{field} needs xfuser (xDiT), which is not installed: {INSTALL_HINT}") from None
     if Version(version) < Version(MIN_XFUSER):
-        raise ImportError(f"{field} needs xfuser >= {MIN_XFUSER} (USP with a key mask); found {version}: {INSTALL_HINT}")
+        raise ImportError(
+            f"{field} needs xfuser >= {MIN_XFUSER} (USP with a key mask); found {version}: {INSTALL_HINT}"
+        )
     try:
         usp = importlib.import_module("xfuser.model_executor.layers.usp")
         backends = importlib.import_module("xfuser.core.distributed.attention_backend")
         parallel_state = importlib.import_module("xfuser.core.distributed.parallel_state")
         runtime_state = importlib.import_module("xfuser.core.distributed.runtime_state")
         config = importlib.import_module("xfuser.config")
-    except Exception as err:  # noqa: BLE001 - any import failure means the same thing to the user
+    except Exception as err:
         raise ImportError(
             f"{field}: importing xfuser {version} failed ({type(err).__name__}: {err}); it needs a CUDA build of "
             f"torch (with triton) and its own dependencies: {INSTALL_HINT}"
         ) from err
     return SimpleNamespace(
-        version=version, usp=usp, sdpa=backends.AttentionBackendType.SDPA, parallel_state=parallel_state,
-        runtime_state=runtime_state, xFuserArgs=config.xFuserArgs,
-    )  # fmt: skip
+        version=version,
+        usp=usp,
+        sdpa=backends.AttentionBackendType.SDPA,
+        parallel_state=parallel_state,
+        runtime_state=runtime_state,
+        xFuserArgs=config.xFuserArgs,
+    )
 
 
 class XfuserUSP:
@@ -156,7 +162,7 @@ class XfuserUSP:
             world, ps._WORLD = ps._WORLD, None  # xfuser's copy of the world: its own groups, not the default one
             if world is not None:
                 world.destroy()
-        except Exception as err:  # noqa: BLE001 - a broken world's groups may refuse; forget them all the same
+        except Exception as err:
             logger.warning("releasing xfuser's process groups: %s", err)
             for name in ("_MODEL_REPLICA", "_DP", "_CFG", "_SP", "_TP", "_PP", "_FS", "_VAE", "_WORLD"):
                 if hasattr(ps, name):
@@ -180,13 +186,23 @@ class XfuserUSP:
         heads = lambda t: t.transpose(1, 2)  # noqa: E731 - xfuser takes (B, H, S, E)
         if self.degree is None:
             out_BHKE = self.x.usp.attention(
-                heads(torch.cat([txt_q, img_q], dim=1)), heads(torch.cat([txt_k, img_k], dim=1)),
-                heads(torch.cat([txt_v, img_v], dim=1)), backend=self.x.sdpa, attention_kwargs=kwargs,
-            )  # fmt: skip
+                heads(torch.cat([txt_q, img_q], dim=1)),
+                heads(torch.cat([txt_k, img_k], dim=1)),
+                heads(torch.cat([txt_v, img_v], dim=1)),
+                backend=self.x.sdpa,
+                attention_kwargs=kwargs,
+            )
         else:
             out_BHKE = self.x.usp.USP(
-                heads(img_q), heads(img_k), heads(img_v), joint_query=heads(txt_q), joint_key=heads(txt_k),
-                joint_value=heads(txt_v), joint_strategy="front", backend=self.x.sdpa, attention_kwargs=kwargs,
-            )  # fmt: skip
+                heads(img_q),
+                heads(img_k),
+                heads(img_v),
+                joint_query=heads(txt_q),
+                joint_key=heads(txt_k),
+                joint_value=heads(txt_v),
+                joint_strategy="front",
+                backend=self.x.sdpa,
+                attention_kwargs=kwargs,
+            )
         out = heads(out_BHKE).to(txt_q.dtype)
         return out[:, :txt_len], out[:, txt_len:]

@@ -49,8 +49,7 @@ def register_reward(name: str) -> Callable[[RewardFactory], RewardFactory]:
     def decorator(factory: RewardFactory) -> RewardFactory:
         if name in REWARDS:
             raise ValueError(
-                f"reward {name!r} is already registered (by {REWARDS[name].__qualname__}); "
-                "pick another name"
+                f"reward {name!r} is already registered (by {REWARDS[name].__qualname__}); pick another name"
             )
         for param in inspect.signature(factory).parameters.values():
             # Options are matched by name across all rewards, so positional-only or *args
@@ -130,10 +129,8 @@ class CombinedReward:
         try:
             scores = torch.as_tensor(self.fns[name](images, prompts))
             if scores.shape != (batch_size,):
-                raise RuntimeError(
-                    f"returned shape {tuple(scores.shape)}, expected ({batch_size},)"
-                )
-        except Exception as e:  # noqa: BLE001 -- any reward bug must cost a batch, not the run
+                raise RuntimeError(f"returned shape {tuple(scores.shape)}, expected ({batch_size},)")
+        except Exception as e:
             logger.warning("reward %r failed on a batch of %d: %r", name, batch_size, e)
             return torch.full((batch_size,), float("nan"), dtype=torch.float32)
         scores = scores.detach().to(device="cpu", dtype=torch.float32)
@@ -162,9 +159,7 @@ def build_reward(weights: Mapping[str, float], **options: object) -> CombinedRew
         The combined reward.
     """
     if not weights:
-        raise ValueError(
-            f"reward weights are empty; give at least one of: {', '.join(sorted(REWARDS))}"
-        )
+        raise ValueError(f"reward weights are empty; give at least one of: {', '.join(sorted(REWARDS))}")
     for name, weight in weights.items():
         if name not in REWARDS:
             raise _unknown_name_error("reward", name, list(REWARDS))

@@ -53,9 +53,11 @@ class ClipScorer:
 
         model_dir = require_local_dir(reward, "reward.clip_model_path", model_path, DOWNLOADS[reward])
         processor_dir = require_local_dir(
-            reward, "reward.clip_processor_path" if processor_path else "reward.clip_model_path",
-            processor_path or model_path, DOWNLOADS[reward],
-        )  # fmt: skip
+            reward,
+            "reward.clip_processor_path" if processor_path else "reward.clip_model_path",
+            processor_path or model_path,
+            DOWNLOADS[reward],
+        )
         self.device = pick_device(device)
         self.model = CLIPModel.from_pretrained(model_dir, local_files_only=True).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(processor_dir, local_files_only=True)

@@ -57,11 +57,24 @@ NUMBERS = {w: i for i, w in enumerate("one two three four five six seven eight n
 ARTICLES = ("a", "an")
 RELATIONS = ("left of", "right of", "above", "below")
 PREFIXES = ("a photo of ", "a photograph of ", "a picture of ", "an image of ")
-IRREGULAR_PLURALS = {"person": "people", "mouse": "mice", "knife": "knives", "sheep": "sheep", "skis": "skis", "scissors": "scissors"}
+IRREGULAR_PLURALS = {
+    "person": "people",
+    "mouse": "mice",
+    "knife": "knives",
+    "sheep": "sheep",
+    "skis": "skis",
+    "scissors": "scissors",
+}
 ALIASES = {
-    "computer mouse": "mouse", "computer keyboard": "keyboard", "tv remote": "remote", "television": "tv",
-    "motorbike": "motorcycle", "aeroplane": "airplane", "sofa": "couch", "ball": "sports ball",
-}  # fmt: skip
+    "computer mouse": "mouse",
+    "computer keyboard": "keyboard",
+    "tv remote": "remote",
+    "television": "tv",
+    "motorbike": "motorcycle",
+    "aeroplane": "airplane",
+    "sofa": "couch",
+    "ball": "sports ball",
+}
 """Other names of COCO labels (prompt name -> detector label), used when the label exists."""
 
 DOWNLOAD_HINT = (
@@ -245,7 +258,9 @@ def box_color(image_HW3: np.ndarray, box) -> str:
 # Scoring
 
 
-def _counted(spec: ObjectSpec, detections: list[Detection], threshold: float, count_threshold: float) -> list[Detection]:
+def _counted(
+    spec: ObjectSpec, detections: list[Detection], threshold: float, count_threshold: float
+) -> list[Detection]:
     cut = count_threshold if spec.exact else threshold
     kept = [d for d in detections if d.label == spec.label and d.score >= cut]
     return sorted(kept, key=lambda d: -d.score)
@@ -267,7 +282,9 @@ def _relation_holds(relation: str, subject: Detection, reference: Detection) -> 
     return {"left of": sx < rx, "right of": sx > rx, "above": sy < ry, "below": sy > ry}[relation]
 
 
-def score_prompt(spec: PromptSpec, detections: list[Detection], *, threshold: float = 0.3, count_threshold: float = 0.9) -> float:
+def score_prompt(
+    spec: PromptSpec, detections: list[Detection], *, threshold: float = 0.3, count_threshold: float = 0.9
+) -> float:
     """Partial credit in [0, 1] for how well the detections of one image satisfy a prompt.
 
     Args:
@@ -322,12 +339,18 @@ class Detector:
             inputs = self.processor(images=chunk, return_tensors="pt").to(self.device)
             outputs = self.model(**inputs)
             sizes = [image.shape[:2] for image in chunk]
-            results = self.processor.post_process_object_detection(outputs, threshold=self.min_score, target_sizes=sizes)
+            results = self.processor.post_process_object_detection(
+                outputs, threshold=self.min_score, target_sizes=sizes
+            )
             for result in results:
-                found.append([
-                    Detection(label=self.labels[int(lab)], score=float(sc), box=tuple(float(x) for x in box))
-                    for sc, lab, box in zip(result["scores"].cpu(), result["labels"].cpu(), result["boxes"].float().cpu())
-                ])  # fmt: skip
+                found.append(
+                    [
+                        Detection(label=self.labels[int(lab)], score=float(sc), box=tuple(float(x) for x in box))
+                        for sc, lab, box in zip(
+                            result["scores"].cpu(), result["labels"].cpu(), result["boxes"].float().cpu()
+                        )
+                    ]
+                )
         return found
 
 
@@ -349,10 +372,18 @@ def make_geneval_reward(
         detector_device: where the detector runs; empty means cuda when available, else cpu.
     """
     path = require_local_dir("geneval", "reward.detector_model_path", detector_model_path, DOWNLOAD_HINT)
-    for name, value in (("detector_threshold", detector_threshold), ("detector_count_threshold", detector_count_threshold)):
+    for name, value in (
+        ("detector_threshold", detector_threshold),
+        ("detector_count_threshold", detector_count_threshold),
+    ):
         if not 0 <= value <= 1:
             raise ValueError(f"reward.{name} is {value}; use a detection score in [0, 1]")
-    detector = Detector(path, pick_device(detector_device), min_score=min(detector_threshold, detector_count_threshold), batch_size=batch_size)
+    detector = Detector(
+        path,
+        pick_device(detector_device),
+        min_score=min(detector_threshold, detector_count_threshold),
+        batch_size=batch_size,
+    )
     vocab = label_vocabulary(detector.labels.values())
     parsed: dict[str, PromptSpec | None] = {}
 
@@ -375,8 +406,13 @@ def make_geneval_reward(
         for i, dets in zip(rows, detector.detect([arrays[i] for i in rows]), strict=True):
             spec = specs[i]
             colored = {o.label for o in spec.objects if o.color is not None}
-            dets = [Detection(d.label, d.score, d.box, box_color(arrays[i], d.box)) if d.label in colored else d for d in dets]
-            scores_B[i] = score_prompt(spec, dets, threshold=detector_threshold, count_threshold=detector_count_threshold)
+            dets = [
+                Detection(d.label, d.score, d.box, box_color(arrays[i], d.box)) if d.label in colored else d
+                for d in dets
+            ]
+            scores_B[i] = score_prompt(
+                spec, dets, threshold=detector_threshold, count_threshold=detector_count_threshold
+            )
         return scores_B
 
     return geneval

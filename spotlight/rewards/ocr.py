@@ -141,9 +141,7 @@ class OcrReader:
 
 
 @register_reward("ocr")
-def make_ocr_reward(
-    ocr_model_path: str = "", ocr_max_new_tokens: int = 64, batch_size: int = 16, ocr_device: str = ""
-):
+def make_ocr_reward(ocr_model_path: str = "", ocr_max_new_tokens: int = 64, batch_size: int = 16, ocr_device: str = ""):
     """Edit-distance score of the prompt's quoted text against what an OCR reader sees.
 
     Args:

@@ -160,9 +160,7 @@ def all_prompts(max_clauses: int = MAX_CLAUSES) -> list[str]:
     return prompts
 
 
-def split_prompts(
-    seed: int, num_heldout: int, max_clauses: int = MAX_CLAUSES
-) -> tuple[list[str], list[str]]:
+def split_prompts(seed: int, num_heldout: int, max_clauses: int = MAX_CLAUSES) -> tuple[list[str], list[str]]:
     """A deterministic split of `all_prompts` into disjoint train and held-out lists.
 
     Args:
@@ -251,9 +249,7 @@ def _object_mask(shape: str, cx: float, cy: float, r: float, size: int) -> np.nd
     return (np.abs(dy) <= r) & (np.abs(dx) <= (dy + r) / 2)
 
 
-def render_prompt(
-    prompt: str, size: int = 64, rng: np.random.Generator | None = None
-) -> np.ndarray:
+def render_prompt(prompt: str, size: int = 64, rng: np.random.Generator | None = None) -> np.ndarray:
     """Draws the ground truth of a prompt: its objects, apart, at random places and sizes.
 
     Args:

@@ -3,7 +3,8 @@
 Each builder writes what `save_pretrained` writes for the real model, with the same classes, so
 the rewards load them through their real `from_pretrained` path: a `CLIPModel` (CLIPScore,
 PickScore), two OCR readers (a TrOCR-style `VisionEncoderDecoderModel` with a `TrOCRProcessor`, and
-a decoder-only `GotOcr2ForConditionalGeneration` with a `GotOcr2Processor`), and a `DetrForObjectDetection` with a small ResNet backbone (no timm, nothing
+a decoder-only `GotOcr2ForConditionalGeneration` with a `GotOcr2Processor`), and a `DetrForObjectDetection` with a small
+ResNet backbone (no timm, nothing
 pretrained) and its image processor. Nothing can be downloaded here, so the tokenizers are trained
 locally with `tokenizers` and saved next to the model. The weights are random: the scores mean
 nothing, the code path is the real one.
@@ -48,18 +49,26 @@ def build_tiny_clip(folder: str | Path, corpus: list[str], *, image_size: int = 
     tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=_SPECIALS))
     bos, eos, pad = (tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>"))
     # CLIP pools the text at the end-of-text token, so every sequence must carry one.
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", bos), ("</s>", eos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", bos), ("</s>", eos)]
+    )
     _fast_tokenizer(tok).save_pretrained(folder)
     CLIPImageProcessorPil(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     ).save_pretrained(folder)
     tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     config = CLIPConfig(
-        text_config=dict(vocab_size=tok.get_vocab_size(), max_position_embeddings=32, pad_token_id=pad,
-                         bos_token_id=bos, eos_token_id=eos, **tiny),
+        text_config=dict(
+            vocab_size=tok.get_vocab_size(),
+            max_position_embeddings=32,
+            pad_token_id=pad,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            **tiny,
+        ),
         vision_config=dict(image_size=image_size, patch_size=8, **tiny),
         projection_dim=16,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     CLIPModel(config).save_pretrained(folder)
     return folder
@@ -79,8 +88,13 @@ def build_tiny_ocr_reader(folder: str | Path, corpus: list[str], *, image_size: 
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
-        GenerationConfig, TrOCRConfig, TrOCRProcessor, ViTConfig, VisionEncoderDecoderConfig, VisionEncoderDecoderModel,
-    )  # fmt: skip
+        GenerationConfig,
+        TrOCRConfig,
+        TrOCRProcessor,
+        VisionEncoderDecoderConfig,
+        VisionEncoderDecoderModel,
+        ViTConfig,
+    )
     from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
 
     folder = Path(folder)
@@ -88,17 +102,35 @@ def build_tiny_ocr_reader(folder: str | Path, corpus: list[str], *, image_size: 
     # Byte-level: any text round-trips through encode and decode, spaces included.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(corpus, trainer)
     tokenizer = _fast_tokenizer(tok)
     image_processor = ViTImageProcessorPil(size={"height": image_size, "width": image_size})
     TrOCRProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
 
-    ids = dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    encoder = ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                        image_size=image_size, patch_size=8)  # fmt: skip
-    decoder = TrOCRConfig(vocab_size=len(tokenizer), d_model=32, decoder_layers=1, decoder_attention_heads=2,
-                          decoder_ffn_dim=64, max_position_embeddings=128, decoder_start_token_id=ids["bos_token_id"], **ids)  # fmt: skip
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    encoder = ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=image_size,
+        patch_size=8,
+    )
+    decoder = TrOCRConfig(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        decoder_layers=1,
+        decoder_attention_heads=2,
+        decoder_ffn_dim=64,
+        max_position_embeddings=128,
+        decoder_start_token_id=ids["bos_token_id"],
+        **ids,
+    )
     config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
     config.decoder_start_token_id = ids["bos_token_id"]
     config.pad_token_id, config.eos_token_id = ids["pad_token_id"], ids["eos_token_id"]
@@ -126,7 +158,13 @@ def build_tiny_got_ocr(folder: str | Path, corpus: list[str], *, seed: int = 0) 
         seed: initialisation seed.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, GotOcr2Config, GotOcr2ForConditionalGeneration, GotOcr2Processor, PreTrainedTokenizerFast
+    from transformers import (
+        GenerationConfig,
+        GotOcr2Config,
+        GotOcr2ForConditionalGeneration,
+        GotOcr2Processor,
+        PreTrainedTokenizerFast,
+    )
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     folder = Path(folder)
@@ -134,31 +172,55 @@ def build_tiny_got_ocr(folder: str | Path, corpus: list[str], *, seed: int = 0) 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>",
+        tokenizer_object=tok,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
         additional_special_tokens=specials[1:6],
-    )  # fmt: skip
+    )
     image_processor = GotOcr2ImageProcessorPil(size={"height": 128, "width": 128})
     GotOcr2Processor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
 
     ids = {s: tokenizer.convert_tokens_to_ids(s) for s in specials}
     config = GotOcr2Config(
-        vision_config=dict(hidden_size=16, output_channels=8, num_hidden_layers=1, num_attention_heads=2, image_size=128,
-                           patch_size=2, window_size=8, global_attn_indexes=[], mlp_dim=32),
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=ids["<|im_start|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]),
+        vision_config=dict(
+            hidden_size=16,
+            output_channels=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=128,
+            patch_size=2,
+            window_size=8,
+            global_attn_indexes=[],
+            mlp_dim=32,
+        ),
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            bos_token_id=ids["<|im_start|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
         image_token_index=ids["<imgpad>"],
         image_seq_length=256,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     model = GotOcr2ForConditionalGeneration(config)
     model.generation_config = GenerationConfig(
-        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
         bad_words_ids=[[ids[s]] for s in specials if s != "<|im_end|>"],
-    )  # fmt: skip
+    )
     model.save_pretrained(folder)
     return folder
 
@@ -176,12 +238,22 @@ def build_tiny_detector(folder: str | Path, labels: list[str], *, image_size: in
     from transformers.models.detr.image_processing_pil_detr import DetrImageProcessorPil
 
     folder = Path(folder)
-    backbone = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", out_features=["stage2"])
+    backbone = ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", out_features=["stage2"]
+    )
     config = DetrConfig(
-        backbone_config=backbone, d_model=16, encoder_layers=1, decoder_layers=1, encoder_ffn_dim=32,
-        decoder_ffn_dim=32, encoder_attention_heads=2, decoder_attention_heads=2, num_queries=12,
-        id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)},
-    )  # fmt: skip
+        backbone_config=backbone,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        num_queries=12,
+        id2label=dict(enumerate(labels)),
+        label2id={name: i for i, name in enumerate(labels)},
+    )
     torch.manual_seed(seed)
     DetrForObjectDetection(config).save_pretrained(folder)
     DetrImageProcessorPil(size={"shortest_edge": image_size, "longest_edge": image_size}).save_pretrained(folder)
