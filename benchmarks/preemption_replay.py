@@ -330,6 +330,12 @@ def run(cluster, trace, speeds: list[float], num_jobs: int, args) -> dict:
         "lost": pull["lost"] + other["lost"],
         "duplicated": pull["duplicated"] + other["duplicated"],
         "recomputed_steps_per_preemption": per_preemption,
+        # The share of all denoising steps done twice: what handling preemptions better can save at most
+        # in work (a rerun at a wave's tail can also delay the wave by up to one job).
+        "recomputed_fraction": {
+            name: round(r["recomputed_steps"] / (num_jobs * args.steps * args.repeats), 4)
+            for name, r in (("pull", pull), (base, other))
+        },
         "throughput_ratio_pull_vs_baseline": round(pull["jobs_per_s"] / other["jobs_per_s"], 3),
         "ratio_per_repeat": ratios,
         "bit_exact": bit_exact,

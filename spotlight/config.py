@@ -147,8 +147,9 @@ class DataConfig:
 class TrainConfig:
     """GRPO optimisation."""
 
-    num_iterations: int = 140
-    """Rollout + update iterations."""
+    num_iterations: int = 1000
+    """Rollout + update iterations, at most. The tiny recipe's cap is one no 2-core host reaches within
+    `max_minutes` (about 140-220 iterations there), so its time budget ends the run on any host."""
     prompts_per_iteration: int = 16
     """Prompts sampled per iteration."""
     group_size: int = 16

@@ -57,8 +57,25 @@ class IterationBudget:
         current = self._clock() - self._top if self._top is not None else 0.0
         return max([current, *self._durations])
 
+    def iterations_left(self) -> int | None:
+        """About how many more iterations the budget holds, at the recent iterations' mean duration
+        (None without a limit or before one iteration has been timed): for progress displays."""
+        if not self.seconds or not self._durations:
+            return None
+        mean = sum(self._durations) / len(self._durations)
+        return max(0, int((self.seconds - self.elapsed_s()) / mean)) if mean > 0 else None
+
     def next_fits(self) -> bool:
         """True when there is no limit or the next iteration should end within the budget."""
         if not self.seconds:
             return True
         return self.elapsed_s() + self.predicted_s() <= self.seconds
+
+
+def progress_total(budget: IterationBudget, done: int, num_iterations: int, *, stopping: bool = False) -> int:
+    """The iterations a progress bar should show as the run's length: `num_iterations`, or fewer
+    where the time budget will end the run first (`done` when it stops now)."""
+    if stopping:
+        return done
+    left = budget.iterations_left()
+    return num_iterations if left is None else min(num_iterations, done + left)

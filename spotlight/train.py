@@ -71,7 +71,7 @@ from spotlight.rollout import Rollout, resolve_autocast, rollout
 from spotlight.runlock import RunLock, remove_if_empty_run
 from spotlight.sampling import Trajectory, derive_seed, qwen_image_sigmas, sde_step_indices
 from spotlight.spot_runtime import SpotRuntime, runtime_wanted, start_runtime
-from spotlight.time_budget import IterationBudget
+from spotlight.time_budget import IterationBudget, progress_total
 from spotlight.tracking import Tracker
 from spotlight.trainer import GRPOTrainer
 
@@ -490,6 +490,7 @@ def _train(
             bar.update(
                 task,
                 advance=1,
+                total=progress_total(budget, step, cfg.train.num_iterations, stopping=last),
                 description=f"reward {metrics['reward/mean']:.3f}" + (f" · {rt.describe()}" if rt is not None else ""),
             )
             if out_of_time:

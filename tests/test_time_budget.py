@@ -9,7 +9,7 @@ from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
 from spotlight.config import DiTRecipe
 from spotlight.config_io import load_config
-from spotlight.time_budget import IterationBudget
+from spotlight.time_budget import IterationBudget, progress_total
 from spotlight.tracking import read_metrics
 
 
@@ -53,6 +53,26 @@ def test_a_periodic_slow_iteration_is_predicted_and_never_overruns():
     budget2 = IterationBudget(2.0, window=2, clock=clock2)
     assert iterations_within(budget2, clock2, [30.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0]) == 10
     assert clock2.t == 120.0
+
+
+def test_the_progress_bar_shows_the_iterations_the_budget_holds():
+    clock = FakeClock()
+    budget = IterationBudget(1.0, clock=clock)
+    assert budget.iterations_left() is None and progress_total(budget, 0, 500) == 500  # nothing timed yet
+    for _ in range(2):
+        budget.starts()
+        clock.t += 10.0
+    budget.starts()  # the second 10-s iteration closes: 40 s left, 4 more
+    assert budget.iterations_left() == 4
+    assert progress_total(budget, 2, 500) == 6 and progress_total(budget, 2, 5) == 5
+    assert progress_total(budget, 2, 500, stopping=True) == 2
+    assert progress_total(IterationBudget(0.0, clock=clock), 2, 500) == 500  # no limit
+
+
+def test_the_recipe_is_ended_by_its_time_budget_not_by_an_iteration_cap():
+    # A fast host (3.9 s per iteration on a 2-core Intel Xeon with AMX) must use the whole budget.
+    train = load_config(DiTRecipe, "configs/dit/tiny-shapes.yaml").train
+    assert train.num_iterations * 2.0 > 60 * train.max_minutes  # would need iterations under 2 s
 
 
 def test_no_limit_and_bad_values():

@@ -61,7 +61,7 @@ from spotlight.distributed import (
 from spotlight.optim import apply_lr_schedule, run_cooldown_scale
 from spotlight.runlock import RunLock, remove_if_empty_run
 from spotlight.sampling import derive_seed
-from spotlight.time_budget import IterationBudget
+from spotlight.time_budget import IterationBudget, progress_total
 from spotlight.tracking import Tracker
 from vlm.config import VLMRecipe
 from vlm.evaluate import evaluate
@@ -662,7 +662,14 @@ def _train(
                 last_ckpt = (
                     checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith("time/")}) or last_ckpt
                 )
-            bar.update(task, advance=1, description=f"reward {metrics['reward/mean']:.3f}")
+            bar.update(
+                task,
+                advance=1,
+                total=progress_total(
+                    budget, step, tc.num_iterations, stopping=out_of_time or step == tc.num_iterations
+                ),
+                description=f"reward {metrics['reward/mean']:.3f}",
+            )
             if out_of_time:
                 console.print(
                     f"train.max_minutes={tc.max_minutes}: iteration {step + 1} would not end in time; stopping after "
