@@ -35,7 +35,8 @@ from vlm.rollout import HFRolloutEngine
 from vlm.rollplex import RollplexSchedule, VisionCounter
 from vlm.task import CELL_PX, TrainStream, corpus, example_image
 from vlm.tiny import build_tiny_vlm
-from vlm.train import Reference, make_schedule
+from vlm.train import make_schedule
+from vlm.update import Reference
 
 MIB = 2**20
 

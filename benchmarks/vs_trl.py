@@ -26,7 +26,7 @@ Figures (JSON, one line):
   bookkeeping), and the rest of the step (loss, backward, optimizer step).
 - first_step_loss_abs_diff, first_step_grad_max_abs_diff (and _rel): both objectives on the same
   batch. TRL's own loss code (`GRPOTrainer._compute_loss`, its log-prob function, its reference
-  forward) and our serial update (`vlm.train.update`, `Reference.logprobs`) score one rollout
+  forward) and our serial update (`vlm.update.update`, `Reference.logprobs`) score one rollout
   (the same tokens, images and advantages) from the same weights, moved away from the reference
   so that the KL term has a gradient; advantages are fixed nonzero draws (a random model's
   rewards are mostly flat, which would leave only the KL term). Tolerance stated in the JSON.
@@ -68,7 +68,8 @@ from vlm.rewards import CombinedReward
 from vlm.rollout import HFRolloutEngine
 from vlm.task import CELL_PX, TrainStream, corpus, example_image
 from vlm.tiny import build_tiny_vlm
-from vlm.train import Reference, make_schedule
+from vlm.train import make_schedule
+from vlm.update import Reference
 
 MIB = 2**20
 SYSTEMS = ("trl", "serial", "rollplex")

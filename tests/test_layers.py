@@ -63,8 +63,6 @@ KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
         ),
         # TaskConfig.validate checks against the task's tables; the task reads its config.
         frozenset({"vlm.config", "vlm.task"}),
-        # The Rollplex schedule calls train.update; train picks the schedule.
-        frozenset({"vlm.rollplex", "vlm.train"}),
     }
 )
 

@@ -278,7 +278,8 @@ def test_vlm_plan_matches_a_measured_training_step(case, tiny_vlm):
     from vlm.policy import load_policy
     from vlm.rollout import ENGINES
     from vlm.task import TrainStream, example_image
-    from vlm.train import Reference, make_schedule
+    from vlm.train import make_schedule
+    from vlm.update import Reference
 
     overrides = [f"model.path={tiny_vlm}", *VLM_CASES[case]]
     cfg = load_config(VLMRecipe, VLM_RECIPE, overrides)

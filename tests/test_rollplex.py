@@ -13,7 +13,8 @@ from vlm.policy import load_policy, response_logprobs
 from vlm.rollout import HFRolloutEngine
 from vlm.rollplex import BarrierViolation, VisionCounter, WeightsVersion, prefix_forward, suffix_logprobs
 from vlm.task import CELL_PX, TrainStream, corpus, example_image
-from vlm.train import Reference, make_schedule
+from vlm.train import make_schedule
+from vlm.update import Reference
 
 TASK = dict(grid_size=2, max_shapes=3, num_heldout=8)
 SPEC = dict(text_hidden=32, text_layers=1, text_heads=2, vision_hidden=32, vision_depth=1, vision_heads=2)

@@ -176,7 +176,8 @@ def _update_first_group_only(dp: DataParallel, base: str, schedule: str) -> list
     from vlm.policy import load_policy
     from vlm.rollout import HFRolloutEngine, prompts_of
     from vlm.task import TrainStream, example_image
-    from vlm.train import Reference, UpdateShard, make_schedule
+    from vlm.train import make_schedule
+    from vlm.update import Reference, UpdateShard
 
     P, G = 2, 3
     cfg = load_config(

@@ -243,7 +243,7 @@ def test_skipping_the_old_pass_on_policy_changes_nothing(base):
     from vlm.policy import load_policy, trainable_state
     from vlm.rollout import HFRolloutEngine
     from vlm.task import TrainStream, example_image
-    from vlm.train import batched_logprobs, update
+    from vlm.update import batched_logprobs, update
 
     cfg = _recipe(base, "train.beta=0")
     results = []
@@ -271,7 +271,7 @@ def test_lr_warmup_ramps_and_resumes_from_the_optimizer_state(base):
     from vlm.policy import load_policy
     from vlm.rollout import HFRolloutEngine
     from vlm.task import TrainStream, example_image
-    from vlm.train import update
+    from vlm.update import update
 
     cfg = _recipe(
         base,

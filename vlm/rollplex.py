@@ -47,6 +47,7 @@ import torch
 
 from vlm.policy import PromptBatch, VLMPolicy, select_image_outputs, token_logprobs
 from vlm.rollout import Rollout
+from vlm.update import update
 
 
 class BarrierViolation(RuntimeError):
@@ -368,8 +369,6 @@ class RollplexSchedule:
         *,
         shard=None,
     ) -> dict[str, float]:
-        from vlm.train import update
-
         self._wait()
         scorer = _SuffixScorer(self, batch, rows)
         stats = update(
@@ -406,7 +405,7 @@ class RollplexSchedule:
 
 
 class _SuffixScorer:
-    """Training log-probs from prefix state: the `FullForward` interface of `vlm.train.update`."""
+    """Training log-probs from prefix state: the `FullForward` interface of `vlm.update.update`."""
 
     def __init__(self, schedule: RollplexSchedule, batch: Rollout | None, rows: list[int]):
         self.s, self.batch, self.rows = schedule, batch, rows
