@@ -61,8 +61,6 @@ KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
                 "spotlight.rewards.shapes",
             }
         ),
-        # TaskConfig.validate checks against the task's tables; the task reads its config.
-        frozenset({"vlm.config", "vlm.task"}),
     }
 )
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from vlm.config import TaskConfig
+from vlm.config import COLOR_RGB, TaskConfig
 from vlm.rewards import CombinedReward, accuracy_reward, format_reward, numeric_reward, parse_answer
-from vlm.task import BACKGROUND_RGB, CELL_PX, COLOR_RGB, TrainStream, example_image, heldout_examples, make_example
+from vlm.task import BACKGROUND_RGB, CELL_PX, TrainStream, example_image, heldout_examples, make_example
 
 
 def _recount(example) -> str:

@@ -14,6 +14,18 @@ from typing import Literal
 
 from spot.cost import CostConfig
 
+COLOR_RGB = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (230, 200, 30),
+    "purple": (150, 60, 190),
+    "orange": (245, 140, 20),
+}
+"""The task's colour names and how `vlm.task` draws them (a recipe's task.colors picks from these)."""
+QUESTION_TYPES = ("count_color", "count_kind", "color_of", "compare")
+"""The task's question types (task.question_weights names each)."""
+
 
 @dataclass
 class TaskConfig:
@@ -35,8 +47,6 @@ class TaskConfig:
     """Seed of the held-out split (training examples are drawn from a disjoint seed stream)."""
 
     def validate(self) -> None:
-        from vlm.task import COLOR_RGB, QUESTION_TYPES
-
         unknown = [c for c in self.colors if c not in COLOR_RGB]
         if unknown or len(set(self.colors)) < 2:
             raise ValueError(f"colors must be >= 2 distinct names from {sorted(COLOR_RGB)}, got {list(self.colors)}")

@@ -22,20 +22,11 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from spotlight.sampling import derive_seed
-from vlm.config import TaskConfig
+from vlm.config import COLOR_RGB, QUESTION_TYPES, TaskConfig
 
 CELL_PX = 28
 """Pixels per grid cell: patch_size 14 x spatial_merge_size 2, so one cell is one LM vision token."""
-COLOR_RGB = {
-    "red": (220, 40, 40),
-    "green": (40, 170, 60),
-    "blue": (40, 80, 220),
-    "yellow": (230, 200, 30),
-    "purple": (150, 60, 190),
-    "orange": (245, 140, 20),
-}
 KINDS = ("circle", "square", "triangle")
-QUESTION_TYPES = ("count_color", "count_kind", "color_of", "compare")
 BACKGROUND_RGB = (123, 117, 104)
 """Board colour: the image processor's normalisation mean (CLIP's), so an empty patch enters the
 vision tower as zeros and the shapes carry the whole signal; on white, the constant background
