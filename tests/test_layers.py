@@ -46,8 +46,6 @@ KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
 # core refactor) removes them. No entry may hold a `spot` module.
 KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
     {
-        # `spotlight vlm` adds vlm.cli's subcommands; `python -m vlm.cli` runs spotlight.cli's main.
-        frozenset({"spotlight.cli", "vlm.cli"}),
         # spotlight.plan dispatches by recipe kind to plan_dit and vlm.plan, which use its tables.
         frozenset({"spotlight.plan", "spotlight.plan_dit", "vlm.plan"}),
         # The reward registry imports the built-in rewards, which register themselves with it.

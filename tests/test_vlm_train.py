@@ -135,12 +135,13 @@ def test_warm_start_then_cli_eval_prints_heldout_accuracy(tmp_path):
     task = [f"task.{k}={v}" for k, v in TASK.items()]
     sizes = [f"model.{k}={v}" for k, v in SPEC.items()]
     base = tmp_path / "base"
-    # `python -m vlm.cli` is the real entry point; the summary is one JSON line.
+    # `python -m spotlight.cli vlm` is the `spotlight vlm` entry point; the summary is one JSON line.
     out = subprocess.run(
         [
             sys.executable,
             "-m",
-            "vlm.cli",
+            "spotlight.cli",
+            "vlm",
             "warmstart",
             "num_steps=3",
             "vision_pretrain_steps=2",
@@ -164,7 +165,18 @@ def test_warm_start_then_cli_eval_prints_heldout_accuracy(tmp_path):
     run = tmp_path / "run"
     run_training(_recipe(base, "train.num_iterations=1"), run, progress=False)
     out = subprocess.run(
-        [sys.executable, "-m", "vlm.cli", "eval", "--checkpoint", str(run), "--json", f"model.path={base}", *task],
+        [
+            sys.executable,
+            "-m",
+            "spotlight.cli",
+            "vlm",
+            "eval",
+            "--checkpoint",
+            str(run),
+            "--json",
+            f"model.path={base}",
+            *task,
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -175,7 +187,7 @@ def test_warm_start_then_cli_eval_prints_heldout_accuracy(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["step"] == 1 and result["num_examples"] == TASK["num_heldout"] and 0 <= result["accuracy"] <= 1
     bad = subprocess.run(
-        [sys.executable, "-m", "vlm.cli", "eval", f"model.path={tmp_path / 'missing'}"],
+        [sys.executable, "-m", "spotlight.cli", "vlm", "eval", f"model.path={tmp_path / 'missing'}"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -1,4 +1,4 @@
-"""The `vlm` commands: warmstart, train, eval, config (`spotlight vlm ...` or `python -m vlm.cli ...`).
+"""The `vlm` commands: warmstart, train, eval, config (`spotlight vlm ...`, or `python -m spotlight.cli vlm ...`).
 
 Each takes an optional recipe (a YAML file; none = the dataclass defaults) followed by dotted
 overrides such as `train.lr=3e-4`.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 
@@ -147,17 +146,3 @@ def add_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--describe", action="store_true", help="list every field with its type, default and doc")
     p.add_argument("--warmstart", action="store_true", help="the warm-start recipe instead of the GRPO one")
     return vlm
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m vlm.cli train ...` is `spotlight vlm train ...` (the leading `vlm` may be given too)."""
-    from spotlight.cli import main as spotlight_main
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] != ["vlm"] and not (argv and argv[0].startswith("-")):
-        argv = ["vlm", *argv]
-    return spotlight_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
