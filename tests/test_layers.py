@@ -48,17 +48,6 @@ KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
     {
         # spotlight.plan dispatches by recipe kind to plan_dit and vlm.plan, which use its tables.
         frozenset({"spotlight.plan", "spotlight.plan_dit", "vlm.plan"}),
-        # The reward registry imports the built-in rewards, which register themselves with it.
-        frozenset(
-            {
-                "spotlight.rewards",
-                "spotlight.rewards.clip",
-                "spotlight.rewards.geneval",
-                "spotlight.rewards.jpeg",
-                "spotlight.rewards.ocr",
-                "spotlight.rewards.shapes",
-            }
-        ),
     }
 )
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from spotlight.rewards import register_reward
 from spotlight.rewards.local_models import batch_slices, pick_device, require_local_dir, to_uint8_images
+from spotlight.rewards.registry import register_reward
 
 DOWNLOADS = {
     "clip_score": "a CLIP checkpoint with its processor, e.g. the Hugging Face repo openai/clip-vit-large-patch14",

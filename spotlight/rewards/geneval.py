@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spotlight.rewards import register_reward
 from spotlight.rewards.local_models import batch_slices, pick_device, require_local_dir, to_uint8_images
+from spotlight.rewards.registry import register_reward
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from spotlight.rewards import register_reward
+from spotlight.rewards.registry import register_reward
 
 
 def jpeg_sizes_kb(images_BHW3: np.ndarray, quality: int = 95) -> np.ndarray:

@@ -29,8 +29,8 @@ import re
 
 import torch
 
-from spotlight.rewards import register_reward
 from spotlight.rewards.local_models import batch_slices, pick_device, require_local_dir, to_uint8_images
+from spotlight.rewards.registry import register_reward
 
 _QUOTED = re.compile(r'"([^"]*)"|\u201c([^\u201d]*)\u201d')
 _SPACE = re.compile(r"\s+")

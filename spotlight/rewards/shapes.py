@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from scipy import ndimage
 
-from spotlight.rewards import register_reward
+from spotlight.rewards.registry import register_reward
 
 COUNT_WORDS = ("one", "two", "three", "four")
 COLORS = ("red", "green", "blue", "yellow")
