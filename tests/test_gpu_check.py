@@ -20,7 +20,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 CPU_CHECKS = ["sampling", "train_step", "train_step_gc", "ulysses_degree1", "bf16_vs_fp32", "ulysses_multiproc"]
 GPU_ONLY = ["diffusers_cp", "xfuser", "sp_backend_xfuser"]
-FIELDS = {"env", "config", "wall_s", *CPU_CHECKS, *GPU_ONLY}
+FIELDS = {"baseline", "env", "config", "wall_s", *CPU_CHECKS, *GPU_ONLY}
 
 
 def run_gpu_check(tmp_path: Path, *args: str, timeout: float) -> dict:
