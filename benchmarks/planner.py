@@ -112,12 +112,19 @@ def build_planners(family: str, seed: int, **bandit) -> dict:
     return planners
 
 
+def bandit_ratios(captured: dict[str, float]) -> dict[str, float]:
+    """The bandit's captured variance over uniform's and over the oracle's."""
+    return {
+        "vs_uniform": round(captured["bandit"] / captured["uniform"], 4),
+        "vs_oracle": round(captured["bandit"] / captured["oracle"], 4),
+    }
+
+
 def bandit_figures(table, group_size: int, fraction: float, seed: int, family: str, **bandit) -> dict[str, float]:
     """The bandit's captured variance over uniform's and the oracle's (out of sample where the table allows)."""
     planners = {"bandit": build_planner("bandit", seed=seed, family=prompt_family(family), **bandit)}
     planners["uniform"] = build_planner("uniform", seed=seed)
-    c = replay(table, planners, group_size=group_size, budget_fraction=fraction).captured
-    return {"vs_uniform": round(c["bandit"] / c["uniform"], 4), "vs_oracle": round(c["bandit"] / c["oracle"], 4)}
+    return bandit_ratios(replay(table, planners, group_size=group_size, budget_fraction=fraction).captured)
 
 
 def tune(tune_table, score_table, group_size: int, fraction: float, seed: int, family: str) -> dict:
@@ -182,17 +189,11 @@ def main() -> None:
             budget_fraction=fraction,
             in_sample=True,
         ).captured
-        in_sample = {
-            "vs_uniform": round(c["bandit"] / c["uniform"], 4),
-            "vs_oracle": round(c["bandit"] / c["oracle"], 4),
-        }
+        in_sample = bandit_ratios(c)
     sweep = {}
     for f in SWEEP:
         c = replay(table, build_planners(args.family, args.seed), group_size=group_size, budget_fraction=f).captured
-        sweep[str(f)] = {
-            "vs_uniform": round(c["bandit"] / c["uniform"], 4),
-            "vs_oracle": round(c["bandit"] / c["oracle"], 4),
-        }
+        sweep[str(f)] = bandit_ratios(c)
     tuned = None
     if args.tune_on:
         tuned = tune(load_reward_table(args.tune_on), table, group_size, fraction, args.seed, args.family)
