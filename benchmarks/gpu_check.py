@@ -9,7 +9,7 @@ so this file cannot rot).
 The model. "Small real-shaped": every width of the real Qwen-Image is kept and only the depths are
 cut, so per-token costs, kernels and tensor shapes are the real ones. Nothing is downloaded; weights
 are random, built from config files written to a temporary model folder (the same folder
-`spotlight plan` reads):
+`spotlight memory` reads):
 - transformer: `QwenImageTransformer2DModel` with the published config (24 heads x 128 = 3072 wide,
   joint_attention_dim 3584, in_channels 64 = 16 latent channels packed 2x2, patch 2, rope 16/56/56)
   and `--layers` blocks (default 2 of the real 60);
@@ -37,7 +37,7 @@ when it cannot run here; `check_s` is the check's own wall time):
   the 2 SDE-window steps of 8 samples) without and with gradient checkpointing, after a warm-up
   update. `update_s` is its wall time; `resident_gib` what was allocated before it (weights,
   adapter, AdamW moments, rollout buffers); `peak_gib` the allocator's peak during it;
-  `plan_trainer_gib` what `spotlight plan` (spotlight/plan.py) estimates for the trainer on the same
+  `plan_trainer_gib` what `spotlight memory` (spotlight/memory_plan.py) estimates for the trainer on the same
   recipe, overrides and model folder, `peak_over_plan` = peak_gib / plan_trainer_gib (the plan
   leaves transient workspaces, activation gradients and kernel scratch, to its 10% headroom, so the
   peak may exceed it a little);
@@ -168,9 +168,9 @@ class Shape:
 
 
 def real_shape(num_layers: int) -> Shape:
-    """The real Qwen-Image widths (spotlight.plan.QWEN_IMAGE_TRANSFORMER / QWEN_IMAGE_VAE), few layers, 512x512."""
-    from spotlight.plan import QWEN_IMAGE_TRANSFORMER as T
-    from spotlight.plan import QWEN_IMAGE_VAE
+    """The real Qwen-Image widths (spotlight.memory_plan's QWEN_IMAGE_TRANSFORMER / _VAE), few layers, 512x512."""
+    from spotlight.memory_plan import QWEN_IMAGE_TRANSFORMER as T
+    from spotlight.memory_plan import QWEN_IMAGE_VAE
 
     return Shape(
         height=512,
@@ -527,8 +527,8 @@ def check_sampling(run: Run) -> dict:
 
 
 def check_train(run: Run, gc_on: bool) -> dict:
+    from spotlight.cli import memory_plan
     from spotlight.grpo import group_advantages
-    from spotlight.plan import plan_recipe
     from spotlight.rewards import build_reward
     from spotlight.trainer import GRPOTrainer
 
@@ -558,7 +558,7 @@ def check_train(run: Run, gc_on: bool) -> dict:
     peak = peak_gib(run.device)
     changed = max((p.detach().cpu() - b).abs().max().item() for p, b in zip(trainer.params, before))
     mem_gib = torch.cuda.get_device_properties(0).total_memory / GIB if run.cuda else 24.0
-    plan = plan_recipe(
+    plan = memory_plan(
         str(RECIPE), run.shape.overrides(run.folder, run.device.type, gc_on), gpus=1, gpu_mem_gib=mem_gib
     )
     groups = {g: b / GIB for g, b in plan.role("trainer").by_group().items()}
@@ -924,7 +924,7 @@ def main(argv: list[str] | None = None) -> dict:
     began = time.perf_counter()
     # A check, not a speed-up: each figure is compared with the reference named inside it.
     results: dict = {
-        "baseline": "per check: float32 for bf16, our Ulysses for diffusers CP and xfuser, spotlight plan for memory"
+        "baseline": "per check: float32 for bf16, our Ulysses for diffusers CP and xfuser, spotlight memory for memory"
     }
 
     def record(name: str, fn) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check: bf16 sampling and one GRPO training step of a small real-shaped Qwen-Image at 512x512,
-# peak memory against `spotlight plan`, our Ulysses SP, diffusers' context parallelism, xfuser's USP,
+# peak memory against `spotlight memory`, our Ulysses SP, diffusers' context parallelism, xfuser's USP,
 # and our processor with parallel.sp_backend=xfuser against ours (check sp_backend_xfuser).
 # Prints ONE JSON line on stdout (last line); what each figure means is in benchmarks/gpu_check.py's
 # docstring. It never hangs: the Python run has a time limit (GPU_CHECK_TIMEOUT, default 360 s) and

@@ -1,8 +1,8 @@
-"""The `spotlight` command: train, eval, sample, pretrain, config, cost, report, export, plan, simulate, vlm.
+"""The `spotlight` command: train, eval, sample, pretrain, config, cost, report, export, memory, simulate, vlm.
 
 train, eval, sample, pretrain and config take an optional recipe (a YAML file; none = the embedded
 tiny-shapes default) followed by dotted overrides such as `train.lr=3e-4`; `cost` and `report` read
-a run directory; `plan` sizes a recipe's memory; `simulate` (spot/sim/cli.py) replays a policy on a
+a run directory; `memory` sizes a recipe's GPU memory; `simulate` (spot/sim/cli.py) replays a policy on a
 spot trace; `vlm ...` is the VLM path (vlm/cli.py).
 """
 
@@ -241,16 +241,51 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from spotlight.plan import plan_json, plan_recipe, print_plan
+def recipe_kind(path: str | None) -> str:
+    """ "vlm" for a VLM recipe (it has `rollout` or `task` sections), else "dit"."""
+    if path is None:
+        return "dit"
+    from spotlight.config_io import read_recipe
+
+    return "vlm" if {"rollout", "task"} & set(read_recipe(Path(path))) else "dit"
+
+
+def memory_plan(recipe: str | None, overrides: list[str], *, gpus: int, gpu_mem_gib: float):
+    """`spotlight memory`: the memory of every role of a DiT or VLM recipe on `gpus` GPUs of
+    `gpu_mem_gib` GiB (a `spotlight.memory_plan.Plan`). Here because it dispatches to both paths.
+
+    Raises:
+        ValueError: an unknown recipe path, --gpus < 1 or --gpu-mem <= 0.
+    """
+    if gpus < 1:
+        raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    if not gpu_mem_gib > 0:
+        raise ValueError(f"--gpu-mem must be > 0 (GiB per GPU), got {gpu_mem_gib}")
+    if recipe is not None and not Path(recipe).is_file():
+        raise ValueError(f"recipe {recipe!r} does not exist")
+    if recipe_kind(recipe) == "vlm":
+        from vlm.memory_plan import plan_vlm
+
+        return plan_vlm(recipe, overrides, gpus, gpu_mem_gib)
+    from spotlight.memory_plan_dit import plan_dit
+
+    return plan_dit(recipe, overrides, gpus, gpu_mem_gib)
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from spotlight.memory_plan import plan_json, print_plan
 
     recipe, overrides = _split_recipe(args)
-    plan = plan_recipe(recipe, overrides, gpus=args.gpus, gpu_mem_gib=args.gpu_mem)
+    plan = memory_plan(recipe, overrides, gpus=args.gpus, gpu_mem_gib=args.gpu_mem)
     if args.json:
         print(plan_json(plan))
     else:
         print_plan(plan)
     return 0
+
+
+RENAMED_COMMANDS = {"plan": "memory"}
+"""Old command -> new name; the old one fails with a message that names the new one."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -304,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     help_text = (
         "Estimate GPU memory per role (trainer, rollout, explorer) of a DiT or VLM recipe, and settings that fit."
     )
-    p = command("plan", help_text, cmd_plan)
+    p = command("memory", help_text, cmd_memory)
     p.add_argument("--gpus", type=int, default=1, help="GPUs of the trainer's node (default: 1)")
     p.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB (default: 80)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -356,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in RENAMED_COMMANDS:
+        parser.error(f"`spotlight {argv[0]}` is now `spotlight {RENAMED_COMMANDS[argv[0]]}`")
     # Overrides may follow options (`eval --json train.seed=1`): argparse leaves those unparsed.
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]

@@ -2,7 +2,7 @@
 
 Both run the real script as a subprocess and read the one JSON line it prints. On the CPU it runs
 `--device cpu --tiny`: the same code paths (rollout, GRPO update with and without gradient
-checkpointing, `spotlight plan` on the same recipe and model folder, Ulysses at degree 1 and in two
+checkpointing, `spotlight memory` on the same recipe and model folder, Ulysses at degree 1 and in two
 gloo processes, bf16 vs fp32) at a tiny size; the GPU-only checks must say so.
 """
 

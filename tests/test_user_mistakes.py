@@ -171,7 +171,7 @@ CASES: list[tuple[str, Callable[[Scene], list[str]], str]] = [
         lambda s: ["vlm", "warmstart", "--out", str(s.file("vlm/config.json", b"{}").parent)],
         "exists; pass --force",
     ),
-    ("binary recipe to plan", lambda s: ["plan", str(s.file("bin.yaml", BINARY))], "bin.yaml: not a text file"),
+    ("binary recipe to memory", lambda s: ["memory", str(s.file("bin.yaml", BINARY))], "bin.yaml: not a text file"),
     (
         "binary simulator profile",
         lambda s: ["simulate", "--synthetic", "--profile", str(s.file("p.yaml", BINARY))],

@@ -1,4 +1,4 @@
-"""`spotlight plan` for VLM recipes: the trainer's update and rollout phases of a Qwen2.5-VL GRPO run.
+"""`spotlight memory` for VLM recipes: the trainer's update and rollout phases of a Qwen2.5-VL GRPO run.
 
 Shape legend: D text width, F MLP width, Dv / Fv the vision tower's, L prompt tokens (left-padded,
 image tokens included), T response tokens (rollout.max_new_tokens), V vocabulary, r LoRA rank,
@@ -6,7 +6,7 @@ a bytes per activation element, b rows per micro-batch, P prompts per iteration.
 
 The model is built from its config on the meta device (`AutoModelForImageTextToText`, as
 `VLMPolicy.load` loads it), or from the published Qwen2.5-VL-7B / 32B architecture when the folder is
-absent (`spotlight.plan.qwen2_5_vl_config`). The LoRA adapter is added with peft's `get_peft_model`,
+absent (`spotlight.memory_plan.qwen2_5_vl_config`). The LoRA adapter is added with peft's `get_peft_model`,
 as `VLMPolicy.add_lora` does: it keeps fp32 adapters on a bf16 model (peft's autocast_adapter_dtype).
 
 Saved bytes per token of one decoder layer (transformers' Qwen2.5-VL; k and v are repeated to
@@ -45,15 +45,15 @@ from pathlib import Path
 
 import torch
 
-from spotlight.plan import (
+from spotlight.memory_plan import (
     DTYPE_BYTES,
     Layout,
     Plan,
     Role,
     Term,
-    _count,
-    _on_meta,
+    count_str,
     meta_bytes,
+    on_meta,
     qwen2_5_vl_config,
     suggest,
 )
@@ -101,7 +101,7 @@ def load_vlm_model(cfg) -> VLMModel:
         config = qwen2_5_vl_config(size)
         source = f"published Qwen2.5-VL-{size} config ({folder} not on disk; size read from the folder name, else 7B)"
     dtype = DTYPES[cfg.model.dtype]
-    model = _on_meta(lambda: AutoModelForImageTextToText.from_config(config), dtype)
+    model = on_meta(lambda: AutoModelForImageTextToText.from_config(config), dtype)
     nbytes = meta_bytes(model)[1]
     numel = meta_bytes(model, trainable=True)[0]  # parameters only
     vision_params = meta_bytes(model.model.visual, trainable=True)[0]
@@ -195,7 +195,7 @@ def vlm_roles(cfg, m: VLMModel, layout: Layout, prompt_tokens: int, patches: int
             "weights",
             "model (FSDP shards + 2 gathered layers)",
             frozen + trainable * 4 / k + 2 * m.layer_bytes,
-            f"frozen {cfg.model.dtype} / {k} + fp32 master of {_count(trainable)} trained params / {k}",
+            f"frozen {cfg.model.dtype} / {k} + fp32 master of {count_str(trainable)} trained params / {k}",
         )
         grads, moments, gb = trainable * 4 / k, 2 * trainable * 4 / k, f"4 B / {k}"
     else:
@@ -203,7 +203,8 @@ def vlm_roles(cfg, m: VLMModel, layout: Layout, prompt_tokens: int, patches: int
             "weights",
             "model" + (f" + LoRA r={r}" if r else ""),
             m.bytes + lora_params * ad * bool(r),
-            f"{_count(m.params)} params x {a} B" + (f" + {_count(lora_params)} adapter params x {ad} B" if r else ""),
+            f"{count_str(m.params)} params x {a} B"
+            + (f" + {count_str(lora_params)} adapter params x {ad} B" if r else ""),
         )
         grads, moments, gb = trainable * t_bytes, 2 * trainable * t_bytes, f"{t_bytes} B"
     resident = [weights]
@@ -212,8 +213,8 @@ def vlm_roles(cfg, m: VLMModel, layout: Layout, prompt_tokens: int, patches: int
             Term("weights", "KL reference copy (frozen)", m.bytes / k, "full fine-tune with train.beta > 0")
         )
     resident += [
-        Term("gradients", "gradients", grads, f"{_count(trainable)} trained params x {gb}"),
-        Term("optimizer", "AdamW moments", moments, f"2 x {_count(trainable)} x {gb}"),
+        Term("gradients", "gradients", grads, f"{count_str(trainable)} trained params x {gb}"),
+        Term("optimizer", "AdamW moments", moments, f"2 x {count_str(trainable)} x {gb}"),
     ]
 
     per_token = m.layers * layer_bytes_per_token(m, a, r, ad)

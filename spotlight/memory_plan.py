@@ -1,4 +1,4 @@
-"""`spotlight plan`: GPU memory per role of a recipe, estimated before a GPU hour is spent.
+"""`spotlight memory`: GPU memory per role of a recipe, estimated before a GPU hour is spent.
 
 Shape legend: D transformer width (heads x head dim), H heads, J prompt-encoder width, C packed
 latent channels, L_img image tokens, L_txt text tokens, r LoRA rank, a bytes per activation element.
@@ -49,10 +49,10 @@ feature maps of the decoder's first width per image). In `spotlight train` the r
 trainer's processes, so its row also carries the trainer's optimizer state and gradients (kept from
 the last step until the next minibatch's zero_grad).
 
-The check: `tests/test_plan.py` runs real training steps of the tiny recipes on CPU and compares
+The check: `tests/test_memory_plan.py` runs real training steps of the tiny recipes on CPU and compares
 these figures with measured ones (within 25%). This module holds the plan's data, the shared
 meta-device and reward-model helpers, the suggestions and the output; the DiT estimate above is
-`spotlight/plan_dit.py`, the VLM one `vlm/plan.py`.
+`spotlight/memory_plan_dit.py`, the VLM one `vlm/memory_plan.py`.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def meta_bytes(module: torch.nn.Module, *, trainable: bool | None = None) -> tup
     return sum(t.numel() for t in tensors), sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _on_meta(build: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
+def on_meta(build: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
     with torch.device("meta"):
         module = build()
     return module.to(dtype)
@@ -326,11 +326,11 @@ def reward_models(weights: dict[str, float], options: dict[str, Any]) -> list[Re
 # -- shared helpers ------------------------------------------------------------------------------
 
 
-def _gib(b: float) -> str:
+def gib_str(b: float) -> str:
     return f"{b / GIB:.2f} GiB"
 
 
-def _count(n: float) -> str:
+def count_str(n: float) -> str:
     """1.23B, 424.7M, 0.33M: parameter counts for people."""
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -362,7 +362,7 @@ def suggest(
     trainer_side = [r for r in plan.roles if r.name in ("trainer", "rollout")]
     peak = max(r.total for r in trainer_side)
     if peak <= usable:
-        out.append(f"fits as configured: the trainer's GPUs peak at {_gib(peak)} of {_gib(usable)} usable")
+        out.append(f"fits as configured: the trainer's GPUs peak at {gib_str(peak)} of {gib_str(usable)} usable")
     else:
         candidates = []
         for gc in sorted({base.gradient_checkpointing, True} if gc_option else {base.gradient_checkpointing}):
@@ -390,7 +390,7 @@ def suggest(
             if sp > 1:
                 caveat = "" if sp_trains else "; the trainer has no SP yet (parallel/ulysses.py is forward-only)"
                 parts.append(f"SP degree {sp} brings activations under the limit{caveat}")
-            out.append(" + ".join(parts) + f": peak {_gib(total)}")
+            out.append(" + ".join(parts) + f": peak {gib_str(total)}")
             shown += 1
             if shown == 3:
                 break
@@ -411,37 +411,7 @@ def suggest(
     return out
 
 
-# -- entry points ----------------------------------------------------------------------------------
-
-
-def recipe_kind(path: str | None) -> str:
-    """ "vlm" for a VLM recipe (it has `rollout` or `task` sections), else "dit"."""
-    if path is None:
-        return "dit"
-    from spotlight.config_io import read_recipe
-
-    return "vlm" if {"rollout", "task"} & set(read_recipe(Path(path))) else "dit"
-
-
-def plan_recipe(recipe: str | None, overrides: list[str], *, gpus: int, gpu_mem_gib: float) -> Plan:
-    """Estimate the memory of every role of a DiT or VLM recipe on `gpus` GPUs of `gpu_mem_gib` GiB.
-
-    Raises:
-        ValueError: an unknown recipe path, --gpus < 1 or --gpu-mem <= 0.
-    """
-    if gpus < 1:
-        raise ValueError(f"--gpus must be >= 1, got {gpus}")
-    if not gpu_mem_gib > 0:
-        raise ValueError(f"--gpu-mem must be > 0 (GiB per GPU), got {gpu_mem_gib}")
-    if recipe is not None and not Path(recipe).is_file():
-        raise ValueError(f"recipe {recipe!r} does not exist")
-    if recipe_kind(recipe) == "vlm":
-        from vlm.plan import plan_vlm
-
-        return plan_vlm(recipe, overrides, gpus, gpu_mem_gib)
-    from spotlight.plan_dit import plan_dit
-
-    return plan_dit(recipe, overrides, gpus, gpu_mem_gib)
+# -- output ----------------------------------------------------------------------------------
 
 
 def print_plan(plan: Plan, console=None) -> None:
@@ -451,8 +421,8 @@ def print_plan(plan: Plan, console=None) -> None:
 
     console = console or Console()
     console.print(
-        f"[bold]spotlight plan[/bold] {plan.recipe} ({plan.kind}): {plan.gpus} GPU(s) x {plan.gpu_mem_gib:g} GiB, "
-        f"{_gib(plan.usable_bytes)} usable ({HEADROOM:.0%} headroom)"
+        f"[bold]spotlight memory[/bold] {plan.recipe} ({plan.kind}): {plan.gpus} GPU(s) x {plan.gpu_mem_gib:g} GiB, "
+        f"{gib_str(plan.usable_bytes)} usable ({HEADROOM:.0%} headroom)"
     )
     for part, source in plan.sources.items():
         console.print(f"  {part}: {source}")
@@ -460,7 +430,7 @@ def print_plan(plan: Plan, console=None) -> None:
     for role in plan.roles:
         fits = "[green]fits[/green]" if plan.fits(role) else "[red]does not fit[/red]"
         table = Table(
-            title=f"{role.name}: {role.where} — {_gib(role.total)}, {fits}",
+            title=f"{role.name}: {role.where} — {gib_str(role.total)}, {fits}",
             caption=role.note or None,
             title_justify="left",
         )

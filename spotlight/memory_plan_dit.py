@@ -1,5 +1,5 @@
-"""The DiT side of `spotlight plan`: the Qwen-Image model's parts, its saved activations per block, and
-the trainer / rollout / explorer roles (formulas in `spotlight.plan`'s docstring)."""
+"""The DiT side of `spotlight memory`: the Qwen-Image model's parts, its saved activations per block, and
+the trainer / rollout / explorer roles (formulas in `spotlight.memory_plan`'s docstring)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from spotlight.plan import (
+from spotlight.memory_plan import (
     ASSUMED_TEXT_TOKENS,
     DTYPE_BYTES,
     INFERENCE_UNITS,
@@ -20,10 +20,10 @@ from spotlight.plan import (
     RewardModel,
     Role,
     Term,
-    _count,
-    _gib,
-    _on_meta,
+    count_str,
+    gib_str,
     meta_bytes,
+    on_meta,
     qwen2_5_vl_config,
     reward_models,
     suggest,
@@ -82,7 +82,7 @@ def load_dit_model(model_path: str, dtype: str) -> DiTModel:
     else:
         tcfg = QWEN_IMAGE_TRANSFORMER
         sources["transformer"] = f"published Qwen-Image transformer config ({folder}/transformer not on disk)"
-    transformer = _on_meta(lambda: QwenImageTransformer2DModel.from_config(tcfg), torch_dtype)
+    transformer = on_meta(lambda: QwenImageTransformer2DModel.from_config(tcfg), torch_dtype)
     nbytes = meta_bytes(transformer)[1]
     numel = meta_bytes(transformer, trainable=True)[0]  # parameters only (a full fine-tune trains them all)
     block_bytes = meta_bytes(transformer.transformer_blocks[0])[1]
@@ -106,7 +106,7 @@ def load_dit_model(model_path: str, dtype: str) -> DiTModel:
     else:
         te_cfg = qwen2_5_vl_config("7B")
         sources["text_encoder"] = "published Qwen2.5-VL-7B config (text_encoder/ not on disk)"
-    text_encoder = _on_meta(lambda: Qwen2_5_VLForConditionalGeneration(te_cfg), torch_dtype)
+    text_encoder = on_meta(lambda: Qwen2_5_VLForConditionalGeneration(te_cfg), torch_dtype)
 
     if (folder / "latent_codec.json").is_file():
         codec = load_codec(folder)  # the tiny folders' parameter-free space-to-depth codec
@@ -119,7 +119,7 @@ def load_dit_model(model_path: str, dtype: str) -> DiTModel:
         else:
             vcfg = QWEN_IMAGE_VAE
             sources["vae"] = "published Qwen-Image VAE config (vae/ not on disk)"
-        vae = _on_meta(lambda: AutoencoderKLQwenImage.from_config(vcfg), torch_dtype)
+        vae = on_meta(lambda: AutoencoderKLQwenImage.from_config(vcfg), torch_dtype)
         vae_bytes, vae_width = meta_bytes(vae)[1], vae.config.base_dim
         downsample, latent_channels = 2 ** len(vae.config.temperal_downsample), vae.config.z_dim
 
@@ -228,7 +228,7 @@ def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_
             "weights",
             "transformer (FSDP shards + 2 gathered blocks)",
             frozen + master + 2 * m.block_bytes,
-            f"frozen {cfg.model.dtype} / {k} + fp32 master of {_count(trained)} trained params / {k}",
+            f"frozen {cfg.model.dtype} / {k} + fp32 master of {count_str(trained)} trained params / {k}",
         )
         grads, moments = trainable * 4 / k, 2 * trainable * 4 / k
     else:
@@ -236,15 +236,15 @@ def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_
             "weights",
             "transformer" + (f" + LoRA r={layout.lora_rank}" if layout.lora_rank else ""),
             m.transformer_bytes + lora_params * m.lora_bytes_per_param * bool(layout.lora_rank),
-            f"{_count(m.transformer_params)} params x {a} B"
-            + (f" + {_count(lora_params)} adapter params" if layout.lora_rank else ""),
+            f"{count_str(m.transformer_params)} params x {a} B"
+            + (f" + {count_str(lora_params)} adapter params" if layout.lora_rank else ""),
         )
         grads, moments = trainable * t_bytes, 2 * trainable * t_bytes
     frozen_parts = [
         Term("weights", "prompt encoder (frozen)", m.text_encoder_bytes, f"Qwen2.5-VL in {cfg.model.dtype}"),
         Term("weights", "VAE (frozen)", m.vae_bytes, "decoder + encoder" if m.vae_bytes else "parameter-free codec"),
         *[
-            Term("weights", f"reward model: {r.name}", r.bytes, f"{_count(r.params)} params (source above)")
+            Term("weights", f"reward model: {r.name}", r.bytes, f"{count_str(r.params)} params (source above)")
             for r in rewards
         ],
     ]
@@ -259,7 +259,7 @@ def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_
                 "weights",
                 "moving average (train.ema_decay)",
                 trained * 4 / k if k > 1 else trained * t_bytes,
-                f"a copy of the {_count(trained)} trained params" + (f" (fp32 shards) / {k}" if k > 1 else ""),
+                f"a copy of the {count_str(trained)} trained params" + (f" (fp32 shards) / {k}" if k > 1 else ""),
             )
         )
     num_steps = tc.num_inner_epochs * math.ceil(num_samples / tc.minibatch_size)
@@ -277,13 +277,13 @@ def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_
             "gradients",
             "gradients",
             grads,
-            f"{_count(trainable)} trained params x {4 if k > 1 else t_bytes} B" + (f" / {k}" if k > 1 else ""),
+            f"{count_str(trainable)} trained params x {4 if k > 1 else t_bytes} B" + (f" / {k}" if k > 1 else ""),
         ),
         Term(
             "optimizer",
             "AdamW moments",
             moments,
-            f"2 x {_count(trainable)} x {4 if k > 1 else t_bytes} B" + (f" / {k}" if k > 1 else ""),
+            f"2 x {count_str(trainable)} x {4 if k > 1 else t_bytes} B" + (f" / {k}" if k > 1 else ""),
         ),
     ]
     per_sample = dit_train_bytes_per_sample(
@@ -324,8 +324,8 @@ def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_
         decode = decoded * cfg.model.height * cfg.model.width * m.vae_width * a * 4
         size, which = max((sample_ws, "sampling"), (encode, "prompt encoding"), (decode, "VAE decode"))
         how = (
-            f"largest of: sampling {_gib(sample_ws)} ({batch} x {tokens} tokens), prompt encoding {_gib(encode)} "
-            f"({prompts} prompts, all hidden states + logits), VAE decode {_gib(decode)} ({decoded} images, rough)"
+            f"largest of: sampling {gib_str(sample_ws)} ({batch} x {tokens} tokens), prompt encoding {gib_str(encode)} "
+            f"({prompts} prompts, all hidden states + logits), VAE decode {gib_str(decode)} ({decoded} images, rough)"
         )
         return Term("activations", f"no-grad working set ({which})", size, how)
 
@@ -437,29 +437,29 @@ def _dit_notes(plan: Plan, cfg, m: DiTModel, rewards: list[RewardModel], base: L
         n = plan.shapes["samples_per_gpu"]
         chunk = min(cfg.sample.batch_size, n)
         out.append(
-            f"rollout: `rollout.rollout` decodes all {n} samples of a GPU at once ({_gib(work.bytes)} of VAE "
+            f"rollout: `rollout.rollout` decodes all {n} samples of a GPU at once ({gib_str(work.bytes)} of VAE "
             "activations, rough); "
-            f"decoding in chunks of sample.batch_size={chunk} would need about {_gib(work.bytes * chunk / n)}, or use "
-            "more GPUs"
+            f"decoding in chunks of sample.batch_size={chunk} would need about {gib_str(work.bytes * chunk / n)}, "
+            "or use more GPUs"
         )
     if explorer.total <= usable:
         return out
     fixed = sum(t.bytes for t in explorer.terms if t.group == "weights")
     if fixed > usable:
         return out + [
-            f"explorer: its weights alone need {_gib(fixed)} > {_gib(usable)}: use larger spot GPUs (SP replicates "
-            "weights)"
+            f"explorer: its weights alone need {gib_str(fixed)} > {gib_str(usable)}: use larger spot GPUs "
+            "(SP replicates weights)"
         ]
     for sp in [d for d in (2, 4, 8) if m.heads % d == 0]:
         ex = dit_roles(cfg, m, rewards, replace(base, sp=sp), txt_tokens)[0][2]
         if ex.total <= usable:
             return out + [
                 f"explorer: SP degree {sp} (parallel.sp_degree: spot/worker.py groups) brings its working set under "
-                f"the limit: {_gib(ex.total)}"
+                f"the limit: {gib_str(ex.total)}"
             ]
     for batch in range(cfg.explore.batch_size - 1, 0, -1):
         smaller = replace(cfg, explore=replace(cfg.explore, batch_size=batch))
         ex = dit_roles(smaller, m, rewards, base, txt_tokens)[0][2]
         if ex.total <= usable:
-            return out + [f"explorer: explore.batch_size={batch} fits ({_gib(ex.total)})"]
+            return out + [f"explorer: explore.batch_size={batch} fits ({gib_str(ex.total)})"]
     return out + ["explorer: no SP degree or explore.batch_size fits: use larger spot GPUs"]

@@ -1,4 +1,4 @@
-"""`spotlight plan` against the memory of real training steps of the tiny recipes, measured on CPU.
+"""`spotlight memory` against the memory of real training steps of the tiny recipes, measured on CPU.
 
 What is measured, per component of the trainer's update:
 - weights, gradients, optimizer state: the bytes of the tensors themselves (parameters and buffers of
@@ -16,7 +16,7 @@ What is measured, per component of the trainer's update:
   keeps.
 - buffers: the rollout's trajectory and prompt embeddings (DiT), the Rollplex boundary state (VLM).
 
-The estimate is `plan_recipe` on the same recipe and overrides: the code path `spotlight plan` runs.
+The estimate is `spotlight.cli.memory_plan` on the same recipe and overrides: the code path `spotlight memory` runs.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import weakref
 import pytest
 import torch
 
-from spotlight.plan import GROUPS, plan_recipe
+from spotlight.cli import memory_plan
+from spotlight.memory_plan import GROUPS
 
 TOLERANCE = 0.25
 
@@ -232,7 +233,7 @@ def test_dit_plan_matches_a_measured_training_step(case, copies):
             trainer.ema or []
         )
         copies[:] = [c for c in copies if c is trainer._ref_copy]
-        plan = plan_recipe(
+        plan = memory_plan(
             DIT_RECIPE, [*overrides, f"model.gradient_checkpointing={str(gc).lower()}"], gpus=1, gpu_mem_gib=80
         )
         _compare(plan, measured, f"{case} gradient_checkpointing={gc}")
@@ -314,7 +315,7 @@ def test_vlm_plan_matches_a_measured_training_step(case, tiny_vlm):
         "activations": meter.peak,
         "buffers": boundary,
     }
-    plan = plan_recipe(VLM_RECIPE, overrides, gpus=1, gpu_mem_gib=80)
+    plan = memory_plan(VLM_RECIPE, overrides, gpus=1, gpu_mem_gib=80)
     assert plan.shapes["response_tokens"] >= ro.response_ids_BT.shape[1]
     _compare(plan, measured, case)
 
@@ -323,30 +324,34 @@ def test_vlm_plan_matches_a_measured_training_step(case, tiny_vlm):
 
 
 def test_real_recipe_plans_say_where_the_architecture_came_from():
-    plan = plan_recipe("configs/dit/qwen-image.yaml", [], gpus=8, gpu_mem_gib=80)
+    plan = memory_plan("configs/dit/qwen-image.yaml", [], gpus=8, gpu_mem_gib=80)
     assert "published" in plan.sources["transformer"] and "published" in plan.sources["text_encoder"]
     trainer = plan.role("trainer")
     # Qwen-Image: ~20.4B transformer parameters in bf16; LoRA rank 64 on Flow-GRPO's targets.
     assert 37 < trainer.by_group()["weights"] / 2**30 < 70
     assert trainer.by_group()["optimizer"] < trainer.by_group()["weights"] / 10
-    full = plan_recipe("configs/dit/qwen-image.yaml", ["model.lora_rank=0"], gpus=8, gpu_mem_gib=80)
+    full = memory_plan("configs/dit/qwen-image.yaml", ["model.lora_rank=0"], gpus=8, gpu_mem_gib=80)
     assert not full.fits(full.role("trainer"))
     assert any("FSDP over >=" in s for s in full.suggestions), full.suggestions
 
 
-def test_cli_plan_json_and_errors(capsys):
+def test_cli_memory_json_and_errors(capsys):
     import json
 
     from spotlight.cli import main
 
-    assert main(["plan", DIT_RECIPE, "--gpus", "1", "--gpu-mem", "24", "--json"]) == 0
+    assert main(["memory", DIT_RECIPE, "--gpus", "1", "--gpu-mem", "24", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["kind"] == "dit" and {r["name"] for r in out["roles"]} == {"trainer", "rollout", "explorer"}
     assert all(r["fits"] for r in out["roles"])
-    assert main(["plan", "configs/dit/nope.yaml", "--gpus", "1", "--gpu-mem", "80"]) == 2
+    assert main(["memory", "configs/dit/nope.yaml", "--gpus", "1", "--gpu-mem", "80"]) == 2
     assert "configs/dit/nope.yaml" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--gpu-mem"):
-        plan_recipe(DIT_RECIPE, [], gpus=1, gpu_mem_gib=0)
+        memory_plan(DIT_RECIPE, [], gpus=1, gpu_mem_gib=0)
     with pytest.raises(ValueError, match="--gpus"):
-        plan_recipe(DIT_RECIPE, [], gpus=0, gpu_mem_gib=80)
-    assert math.isclose(plan_recipe(DIT_RECIPE, [], gpus=1, gpu_mem_gib=10).gpu_mem_gib, 10)
+        memory_plan(DIT_RECIPE, [], gpus=0, gpu_mem_gib=80)
+    assert math.isclose(memory_plan(DIT_RECIPE, [], gpus=1, gpu_mem_gib=10).gpu_mem_gib, 10)
+    # The command's old name fails and names the new one.
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", DIT_RECIPE])
+    assert exited.value.code == 2 and "`spotlight plan` is now `spotlight memory`" in capsys.readouterr().err
