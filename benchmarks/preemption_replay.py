@@ -1,11 +1,18 @@
 """Pull scheduling against what a Ray user writes today, on a local Ray cluster that replays a spot trace.
 
 The trace is fitted to this machine: trimmed, its node count rescaled to `--nodes` (counts scaled
-and rounded, `Trace.rescaled`), cut to a `--window-s` stretch (default: the one with the most
-preemptions, `spot.replay.busiest_window`), compressed `--compress` times, and, with
+and rounded, `Trace.rescaled`), cut to a `--window-s` stretch, compressed `--compress` times, and, with
 `--notice-s S`, every preemption warned S trace-seconds ahead (AWS gives 120) through a fake
 instance-metadata endpoint per node that the node's worker watches. `--synthetic` replaces the
 file with `synthetic_trace` (already node-sized; not rescaled or windowed).
+
+The stretch is chosen so that preemptions end work: a preemption of a node whose worker is not up
+yet (8 s of wall time after its add, `WORKER_STARTUP_S`, 320 trace seconds at 40x) ends nothing
+under any scheduler. By default `--window-s` is, per trace, the shortest length from 2,400 trace
+seconds in steps of 1,200 whose busiest stretch holds `--min-preemptions` (4) preemptions of nodes
+that were up (`spot.replay.shortest_busy_window`; the whole trace if none does), and the stretch
+starts where it holds the most of them (`spot.replay.busiest_window`): parcae-p3 at 3 nodes 6,000
+s from 2,940 s, Bamboo 4,800 s from 1,547 s, the Parcae hh hour at 8 nodes all of it.
 
 Jobs are sized from the paper-scale setting, not to reach a figure: a job is one micro-batch of a
 Qwen-Image rollout, `--job` qwen-image-1280 by default (`spot.sim.profile`: 10 steps of 2.1 s on a
@@ -92,8 +99,16 @@ def main() -> None:
     src.add_argument("--trace", type=Path, help="trace file (any format spot.traces reads)")
     src.add_argument("--synthetic", action="store_true", help="a seeded synthetic trace instead")
     add_replay_arguments(p)
-    # 4,800 trace seconds: the busiest such stretch of parcae-p3 at 3 nodes holds 3 preemptions (2,400 s: 2).
-    p.set_defaults(steps=None, step_s=None, window_s=4800.0)
+    # --window-s by default: per trace, the shortest stretch holding --min-preemptions preemptions of
+    # nodes whose worker was up (spot.replay.shortest_busy_window): parcae-p3 at 3 nodes 6,000 s,
+    # Bamboo 4,800 s, the Parcae hh hour at 6 nodes all of it.
+    p.set_defaults(steps=None, step_s=None, window_s=None)
+    p.add_argument(
+        "--min-preemptions",
+        type=int,
+        default=4,
+        help="default --window-s: the shortest stretch with this many preemptions of nodes whose worker was up",
+    )
     p.add_argument(
         "--job", default="qwen-image-1280", help="paper-scale profile whose job this replays (spot.sim.profile)"
     )
@@ -197,7 +212,7 @@ def fit_trace(args):
     if args.synthetic:
         trace = synthetic_trace(
             num_nodes=args.nodes,
-            duration_s=args.window_s,
+            duration_s=args.window_s or 4800.0,
             preemptions_per_node_hour=4.0,
             replacement_delay_s=120.0,
             seed=args.seed,
@@ -211,11 +226,14 @@ def fit_trace(args):
             nodes=args.nodes,
             window_s=args.window_s,
             start_s=args.start_s,
+            min_age_s=WORKER_STARTUP_S * args.compress,
+            min_preemptions=getattr(args, "min_preemptions", 4),
             compress=args.compress,
             notice_s=args.notice_s,
         )
     logging.info("%s; start %g s", trace.summary(), start)
     args.window_start_s = start
+    args.window_s = trace.duration_s * args.compress
     return trace
 
 
@@ -224,7 +242,11 @@ def node_speed(name: str, speeds: list[float]) -> float:
     return speeds[int(name.rsplit("-", 1)[1]) % len(speeds)]
 
 
-def size_jobs(trace, speeds: list[float], args, startup_s: float = 8.0) -> int:
+WORKER_STARTUP_S = 8.0
+"""Wall seconds from a node's add to its worker holding work (node start and model load, measured)."""
+
+
+def size_jobs(trace, speeds: list[float], args, startup_s: float = WORKER_STARTUP_S) -> int:
     """About the jobs pull finishes in the window: each node's speed x its time in the window once
     its worker is up (~8 s after a mid-window add: node start and model load), over the time one job
     takes at speed 1, times 0.8."""

@@ -21,6 +21,7 @@ import logging
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ from spot.jobqueue import (
     least_loaded,
 )
 from spot.pool import WorkerPool
-from spot.replay import busiest_window, window
+from spot.replay import busiest_window, fit_trace, preemptions_of_working_nodes, shortest_busy_window, window
 from spot.runtime import Runtime
 from spot.traces import Trace
 from spot.worker import Worker
@@ -488,6 +489,31 @@ def test_window_starts_with_the_nodes_alive_then():
     assert w.duration_s == 20 and w.num_preemptions == 2
     # Two preemptions at 10 s and two at 30 s: the earlier wins, starting a tenth of 12 s ahead.
     assert busiest_window(trace, 12) == pytest.approx(8.8)
+
+
+def test_stretches_rank_by_preemptions_that_can_end_work():
+    # Nodes 0-1 from t=0; a third joins at 100 and goes at 105 (too young to hold work), a fourth
+    # joins at 200 and goes at 300, then node-1 goes at 400.
+    trace = Trace.from_counts(
+        [0, 100, 105, 200, 300, 400], [2, 3, 2, 3, 2, 1], duration_s=500, source="t", format="rescaled"
+    )
+    assert trace.num_preemptions == 3
+    assert preemptions_of_working_nodes(trace) == 3
+    assert preemptions_of_working_nodes(trace, min_age_s=50) == 2  # the 5-s node does not count
+    assert preemptions_of_working_nodes(trace, min_age_s=150) == 1  # nor the 100-s one; node-1 was there at 0
+    # 60-s stretches: the earliest with a preemption is [99, 159), but it only ends a 5-s node.
+    assert busiest_window(trace, 60) == pytest.approx(99.0)
+    assert busiest_window(trace, 60, min_age_s=50) == pytest.approx(294.0)
+    # Two preemptions of working nodes need [~280, ~480): 200 s, the first length tried that holds them.
+    assert shortest_busy_window(trace, min_preemptions=2, min_age_s=50, first_s=100, step_s=100) == 200
+    assert shortest_busy_window(trace, min_preemptions=5, first_s=100, step_s=100) == 500  # never: all of it
+
+
+def test_shipped_traces_default_to_a_stretch_with_four_preemptions_of_working_nodes():
+    for name, nodes in (("parcae-p3-aws.csv", 3), ("bamboo-g4dn-us-east-1c.csv", 3)):
+        path = Path(__file__).resolve().parents[1] / "traces" / name
+        fitted, _ = fit_trace(path, nodes=nodes, window_s=None, min_age_s=320.0, compress=1.0)
+        assert preemptions_of_working_nodes(fitted, 320.0) >= 4, name
 
 
 # -- on a real local Ray cluster -------------------------------------------------------------------
