@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from spotlight.config import DiTRecipe
-from spotlight.config_io import load_config
-from spotlight.grpo import group_advantages
+from spotlight.core.advantages import group_advantages
+from spotlight.core.config_io import load_config
 from spotlight.policy import load_policy, load_trainable_state, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward

@@ -55,8 +55,8 @@ import time
 import torch
 
 from spotlight.config import DiTRecipe
-from spotlight.config_io import load_config
-from spotlight.grpo import group_advantages
+from spotlight.core.advantages import group_advantages
+from spotlight.core.config_io import load_config
 from spotlight.policy import load_policy
 from spotlight.prompt_cache import PromptCache, UncachedPrompts
 from spotlight.prompts import train_and_eval_prompts

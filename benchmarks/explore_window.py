@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spotlight.config import DiTRecipe
-from spotlight.config_io import load_config
-from spotlight.tracking import read_metrics
+from spotlight.core.config_io import load_config
+from spotlight.core.tracking import read_metrics
 from spotlight.train import run_training
 
 WINDOWS = ("update", "iteration")

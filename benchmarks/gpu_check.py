@@ -37,7 +37,7 @@ when it cannot run here; `check_s` is the check's own wall time):
   the 2 SDE-window steps of 8 samples) without and with gradient checkpointing, after a warm-up
   update. `update_s` is its wall time; `resident_gib` what was allocated before it (weights,
   adapter, AdamW moments, rollout buffers); `peak_gib` the allocator's peak during it;
-  `plan_trainer_gib` what `spotlight memory` (spotlight/memory_plan.py) estimates for the trainer on the same
+  `plan_trainer_gib` what `spotlight memory` (spotlight/core/memory_plan.py) estimates for the trainer on the same
   recipe, overrides and model folder, `peak_over_plan` = peak_gib / plan_trainer_gib (the plan
   leaves transient workspaces, activation gradients and kernel scratch, to its 10% headroom, so the
   peak may exceed it a little);
@@ -168,9 +168,9 @@ class Shape:
 
 
 def real_shape(num_layers: int) -> Shape:
-    """The real Qwen-Image widths (spotlight.memory_plan's QWEN_IMAGE_TRANSFORMER / _VAE), few layers, 512x512."""
-    from spotlight.memory_plan import QWEN_IMAGE_TRANSFORMER as T
-    from spotlight.memory_plan import QWEN_IMAGE_VAE
+    """The real Qwen-Image widths (spotlight.core.memory_plan's QWEN_IMAGE_TRANSFORMER / _VAE), few layers, 512x512."""
+    from spotlight.core.memory_plan import QWEN_IMAGE_TRANSFORMER as T
+    from spotlight.core.memory_plan import QWEN_IMAGE_VAE
 
     return Shape(
         height=512,
@@ -300,7 +300,7 @@ def build_policy(folder: Path, shape: Shape, device: torch.device):
     from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import load_config
+    from spotlight.core.config_io import load_config
     from spotlight.latents import QwenImageVAECodec
     from spotlight.policy import DTYPES, DiTPolicy
 
@@ -425,7 +425,7 @@ class Run:
 
     def recipe(self, gc_on: bool):
         from spotlight.config import DiTRecipe
-        from spotlight.config_io import load_config
+        from spotlight.core.config_io import load_config
 
         return load_config(DiTRecipe, RECIPE, self.shape.overrides(self.folder, self.device.type, gc_on))
 
@@ -483,8 +483,9 @@ def check_config(run: Run) -> dict:
 
 
 def check_sampling(run: Run) -> dict:
+    from spotlight.core.seeds import derive_seed
     from spotlight.rollout import rollout
-    from spotlight.sampling import derive_seed, qwen_image_sigmas, sde_step_indices
+    from spotlight.sampling import qwen_image_sigmas, sde_step_indices
 
     s, cfg = run.shape, run.recipe(False)
     policy = run.get_policy()
@@ -528,7 +529,7 @@ def check_sampling(run: Run) -> dict:
 
 def check_train(run: Run, gc_on: bool) -> dict:
     from spotlight.cli import memory_plan
-    from spotlight.grpo import group_advantages
+    from spotlight.core.advantages import group_advantages
     from spotlight.rewards import build_reward
     from spotlight.trainer import GRPOTrainer
 

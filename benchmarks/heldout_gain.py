@@ -37,12 +37,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from spotlight.checkpoint import find_latest_checkpoint
 from spotlight.config import PretrainConfig
-from spotlight.config_io import load_config
+from spotlight.core.checkpoint import find_latest_checkpoint
+from spotlight.core.config_io import load_config
+from spotlight.core.tracking import read_metrics
 from spotlight.pretrain import pretrain_prompts
 from spotlight.rewards import shapes
-from spotlight.tracking import read_metrics
 
 RECIPE = "configs/dit/tiny-shapes.yaml"
 SPOTLIGHT = [sys.executable, "-m", "spotlight.cli"]

@@ -82,8 +82,8 @@ TUNE_PRIOR_STRENGTHS = (2.0, 4.0, 8.0)
 
 def budget_fraction_of_run(run_dir: str | Path) -> float:
     """Mean measured exploration budget of a run over prompts_per_iteration x max candidates."""
-    from spotlight.config_io import load_config
-    from spotlight.tracking import read_metrics
+    from spotlight.core.config_io import load_config
+    from spotlight.core.tracking import read_metrics
 
     run_dir = Path(run_dir)
     config = run_dir / "config.yaml"

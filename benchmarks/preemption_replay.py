@@ -280,9 +280,9 @@ def bench_recipe(args):
 def make_jobs(args, num_jobs: int, seed: int) -> list:
     """One-row rollout jobs of the DiT runner, only the final latent kept."""
     from spot.jobqueue import Job
+    from spotlight.core.seeds import derive_seed
     from spotlight.jobs import RolloutJob
     from spotlight.rewards.shapes import all_prompts
-    from spotlight.sampling import derive_seed
 
     prompts = all_prompts(1)
     steps = list(range(args.steps))
@@ -465,8 +465,8 @@ def ray_run(cluster, trace, cfg, jobs, speeds, args) -> dict:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from spot.cluster import NODE_LABEL
-    from spot.localray import SPOT
     from spot.replay import TraceReplayer
+    from spotlight.core.cost import SPOT
 
     replayer = TraceReplayer(cluster, trace, fake_imds=False)
     log_dir = tempfile.mkdtemp(prefix="spot-ray-tasks-")

@@ -48,9 +48,9 @@ from stale_ranking import (
 )
 
 from planners.tables import RewardTable, save_reward_table
+from spotlight.core.seeds import derive_seed
 from spotlight.explore import planner_ids
 from spotlight.policy import load_trainable_state
-from spotlight.sampling import derive_seed
 
 DEFAULT_OUT = str(ROOT / "benchmarks" / "data" / "tiny-shapes-rewards.npz")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from spotlight.config_io import load_config
+from spotlight.core.config_io import load_config
 from vlm.config import TaskConfig, TinyVLMConfig, VLMRecipe
 from vlm.memory import TensorLedger, state_bytes
 from vlm.policy import load_policy

@@ -116,7 +116,7 @@ DEFAULT_WINDOW = {"nodes": 3, "window_s": 2400.0, "compress": 40.0}
 
 def train(run_dir: Path, overrides: list[str], timeout_s: float) -> list[dict]:
     """One `spotlight train` of the tiny recipe in a process of its own; its metrics rows."""
-    from spotlight.tracking import read_metrics
+    from spotlight.core.tracking import read_metrics
 
     cmd = [
         sys.executable,
@@ -367,7 +367,7 @@ def main() -> None:
         p.error("--resume needs --keep DIR (where the earlier runs are)")
 
     def run(name: str) -> list[dict]:
-        from spotlight.tracking import read_metrics
+        from spotlight.core.tracking import read_metrics
 
         record = root / f"{name}.args.json"
         done = (root / name / "checkpoints" / f"step-{n:08d}").is_dir()

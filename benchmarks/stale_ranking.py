@@ -54,13 +54,14 @@ from scipy.stats import kendalltau
 
 from planners import group_variance, select_contrast
 from spotlight.config import DiTRecipe
-from spotlight.config_io import load_config
-from spotlight.grpo import group_advantages
+from spotlight.core.advantages import group_advantages
+from spotlight.core.config_io import load_config
+from spotlight.core.seeds import derive_seed
 from spotlight.policy import DiTPolicy, load_policy, load_trainable_state, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import CombinedReward, build_reward
 from spotlight.rollout import resolve_autocast, rollout
-from spotlight.sampling import derive_seed, qwen_image_sigmas
+from spotlight.sampling import qwen_image_sigmas
 from spotlight.train import plan_iteration
 from spotlight.trainer import GRPOTrainer
 

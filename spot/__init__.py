@@ -13,5 +13,5 @@ So far:
 
 Not yet: node pools as a cluster file (configs/cluster/aws-spot.yaml), the cost ledger, a queue
 persisted to the store. The DiT path still runs in one process and
-keeps its checkpoints on local disk (`spotlight.checkpoint`).
+keeps its checkpoints on local disk (`spotlight.core.checkpoint`).
 """

@@ -30,7 +30,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-from spot.localray import ON_DEMAND, SPOT, import_ray_on_loopback
+from spot.localray import import_ray_on_loopback
+from spotlight.core.cost import ON_DEMAND, SPOT
 
 NODE_LABEL = "spot-trace-node"
 """Label carrying a spot node's name."""

@@ -10,10 +10,10 @@ import logging
 import os
 import sys
 
+from spotlight.core.cost import SPOT
+
 logger = logging.getLogger(__name__)
 
-SPOT, ON_DEMAND = "spot", "on_demand"
-"""Custom resources of the two node pools."""
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
@@ -35,3 +35,10 @@ def kill_actor(ray, actor) -> None:
         ray.kill(actor, no_restart=True)
     except Exception:
         pass
+
+
+def spot_gpus_held() -> int:
+    """Units of the `spot` resource in the connected Ray cluster: the spot GPUs held right now."""
+    import ray
+
+    return int(ray.cluster_resources().get(SPOT, 0))

@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spot.cluster import IMDS_LABEL
-from spot.localray import ON_DEMAND, SPOT, kill_actor
+from spot.localray import kill_actor
 from spot.runner import RunnerFactory
 from spot.weights import WeightsMismatchError
 from spot.worker import RunReport, Worker
+from spotlight.core.cost import ON_DEMAND, SPOT
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spot.jobqueue import Job, JobQueue, QueueStats, Result
-from spot.localray import ON_DEMAND, SPOT, kill_actor
+from spot.localray import kill_actor
 from spot.pool import Group, GroupFormError, GroupOutcome, WorkerPool, plan_groups
+from spotlight.core.cost import ON_DEMAND, SPOT
 
 logger = logging.getLogger(__name__)
 

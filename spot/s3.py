@@ -20,7 +20,6 @@ import io
 import logging
 import os
 import random
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +33,9 @@ import botocore.exceptions
 from boto3.s3.transfer import TransferConfig
 from s3transfer.exceptions import RetriesExceededError
 
-from spot.store_base import MissingKeyError, Store, StoreError, check_key, check_prefix, write_atomically
+from spot.store_base import Store, check_key, check_prefix, write_atomically
+from spotlight.core.aws import install_log_redaction, redact
+from spotlight.core.files import MissingKeyError, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -92,57 +93,6 @@ class S3Options:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.backoff_s <= self.max_backoff_s:
             raise ValueError(f"need 0 <= backoff_s <= max_backoff_s, got {self.backoff_s} and {self.max_backoff_s}")
-
-
-# The access key id follows "Credential=" in an Authorization header (and in presigned URLs); the
-# session token is a header value, "'X-Amz-Security-Token': b'...'" in botocore's request repr and
-# "x-amz-security-token:..." in its canonical request. The secret key itself is never sent.
-_CREDENTIAL_RE = re.compile(
-    r"(Credential=)[^/\s,;&'\"%]+|(x-amz-security-token['\"]?\s*[:=]\s*b?['\"]?)[^'\"\s,;&}]+",
-    re.IGNORECASE,
-)
-
-
-def redact(text: str) -> str:
-    """`text` with AWS access key ids and session tokens masked as "***"."""
-    return _CREDENTIAL_RE.sub(lambda m: (m.group(1) or m.group(2)) + "***", text)
-
-
-class _RedactCredentials(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # a malformed record is the handler's business, not ours
-            return True
-        clean = redact(message)
-        if clean != message:
-            record.msg, record.args = clean, None
-        return True
-
-
-_REDACT_FILTER = _RedactCredentials()
-# Logger filters do not apply to records of child loggers, so each logger gets the filter.
-_LOGGERS_THAT_PRINT_HEADERS = (
-    "botocore.endpoint",
-    "botocore.auth",
-    "botocore.awsrequest",
-    "botocore.httpsession",
-    "botocore.hooks",
-    "botocore.parsers",
-    "botocore.retryhandler",
-    "urllib3.connectionpool",
-)
-
-
-def install_log_redaction() -> None:
-    names = set(_LOGGERS_THAT_PRINT_HEADERS)
-    names.update(
-        n for n in logging.root.manager.loggerDict if n.split(".")[0] in ("botocore", "boto3", "s3transfer", "urllib3")
-    )
-    for name in names:
-        log = logging.getLogger(name)
-        if _REDACT_FILTER not in log.filters:
-            log.addFilter(_REDACT_FILTER)
 
 
 _TRANSIENT_CODES = {

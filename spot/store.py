@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
-from spot.files import fsync_path
-from spot.store_base import TMP_PREFIX, MissingKeyError, Store, StoreError, check_key, check_prefix, write_atomically
+from spot.store_base import TMP_PREFIX, Store, check_key, check_prefix, write_atomically
+from spotlight.core.files import MissingKeyError, StoreError, fsync_path
 
 if TYPE_CHECKING:
     from spot.s3 import S3Options

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from spot.files import fsync_path
+from spotlight.core.files import MissingKeyError, StoreError, fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +39,6 @@ FORMAT_VERSION = 1
 TMP_PREFIX = ".tmp-"
 """Names starting with this are half-written local files; keys may not use it."""
 _STEP_DIR_RE = re.compile(r"step-(\d+)")
-
-
-class StoreError(RuntimeError):
-    """A store operation failed; the message names the URL of the object and the cause."""
-
-
-class MissingKeyError(StoreError):
-    """The object does not exist."""
 
 
 class IncompleteError(StoreError):

@@ -33,6 +33,20 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
+def recipe_kinds() -> list[tuple[type, str]]:
+    """Every recipe class with the command it is for (`config_io.check_recipe_kind`): the command line
+    is the one module that knows both paths."""
+    from spotlight.config import DiTRecipe, PretrainConfig
+    from vlm.config import VLMRecipe, WarmStartRecipe
+
+    return [
+        (DiTRecipe, "spotlight train"),
+        (PretrainConfig, "spotlight pretrain"),
+        (VLMRecipe, "spotlight vlm train"),
+        (WarmStartRecipe, "spotlight vlm warmstart"),
+    ]
+
+
 def _split_recipe(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """The recipe is the first positional argument unless it looks like an override (has '=')."""
     items = list(args.items)
@@ -45,8 +59,7 @@ def _split_recipe(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 def _load(cls, command: str, args: argparse.Namespace):
     """`cls` from the command's recipe and overrides; a recipe of another kind (a VLM recipe given
     to `spotlight train`) is refused with the command it is for."""
-    from spotlight.config_io import check_recipe_kind, load_config
-    from vlm.cli import recipe_kinds
+    from spotlight.core.config_io import check_recipe_kind, load_config
 
     recipe, overrides = _split_recipe(args)
     check_recipe_kind(recipe, cls, command, [(k, c) for k, c in recipe_kinds() if k is not cls])
@@ -65,7 +78,7 @@ def _policy_with_checkpoint(cfg, checkpoint: str | None, weights: str = "auto"):
     weights: "ema" (the moving average a run with train.ema_decay saves), "raw" (the trained weights)
     or "auto" (the moving average where the checkpoint has one). Returns (policy, checkpoint, which).
     """
-    from spotlight.checkpoint import expect_kind, load_checkpoint, pick_weights
+    from spotlight.core.checkpoint import expect_kind, load_checkpoint, pick_weights
     from spotlight.policy import load_policy, load_trainable_state
 
     if checkpoint is None:
@@ -98,10 +111,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from spotlight.core.tracking import save_image_grid
     from spotlight.evaluate import evaluate
     from spotlight.prompts import prompt_check, read_prompt_file, train_and_eval_prompts
     from spotlight.rewards import build_reward
-    from spotlight.tracking import save_image_grid
 
     cfg, _ = _load_recipe(args)
     if args.prompts:
@@ -126,10 +139,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
+    from spotlight.core.tracking import save_image_grid
     from spotlight.prompts import check_prompt, prompt_check, read_prompt_file
     from spotlight.rollout import resolve_autocast, rollout
     from spotlight.sampling import qwen_image_sigmas
-    from spotlight.tracking import save_image_grid
 
     cfg, _ = _load_recipe(args)
     prompts = list(args.prompt or [])
@@ -174,7 +187,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import describe, dump_yaml
+    from spotlight.core.config_io import describe, dump_yaml
 
     cfg, _ = _load_recipe(args)
     print(describe(DiTRecipe) if args.describe else dump_yaml(cfg), end="")
@@ -185,7 +198,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from spot.cost import read_ledger, summarize
+    from spotlight.core.cost import read_ledger, summarize
 
     if args.items:
         raise ValueError(f"cost takes a run directory and no overrides, got {' '.join(args.items)}")
@@ -220,7 +233,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from spotlight.checkpoint import checkpoint_kind, load_checkpoint
+    from spotlight.core.checkpoint import checkpoint_kind, load_checkpoint
 
     if args.items:
         raise ValueError(f"export takes a run directory or checkpoint and no overrides, got {' '.join(args.items)}")
@@ -245,14 +258,14 @@ def recipe_kind(path: str | None) -> str:
     """ "vlm" for a VLM recipe (it has `rollout` or `task` sections), else "dit"."""
     if path is None:
         return "dit"
-    from spotlight.config_io import read_recipe
+    from spotlight.core.config_io import read_recipe
 
     return "vlm" if {"rollout", "task"} & set(read_recipe(Path(path))) else "dit"
 
 
 def memory_plan(recipe: str | None, overrides: list[str], *, gpus: int, gpu_mem_gib: float):
     """`spotlight memory`: the memory of every role of a DiT or VLM recipe on `gpus` GPUs of
-    `gpu_mem_gib` GiB (a `spotlight.memory_plan.Plan`). Here because it dispatches to both paths.
+    `gpu_mem_gib` GiB (a `spotlight.core.memory_plan.Plan`). Here because it dispatches to both paths.
 
     Raises:
         ValueError: an unknown recipe path, --gpus < 1 or --gpu-mem <= 0.
@@ -273,7 +286,7 @@ def memory_plan(recipe: str | None, overrides: list[str], *, gpus: int, gpu_mem_
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    from spotlight.memory_plan import plan_json, print_plan
+    from spotlight.core.memory_plan import plan_json, print_plan
 
     recipe, overrides = _split_recipe(args)
     plan = memory_plan(recipe, overrides, gpus=args.gpus, gpu_mem_gib=args.gpu_mem)
@@ -382,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from vlm.cli import add_subcommands as add_vlm_commands  # `spotlight vlm train|eval|warmstart|config`
 
-    add_vlm_commands(sub)
+    add_vlm_commands(sub, recipe_kinds)
     from spot.sim.cli import add_subcommands as add_simulate_command  # `spotlight simulate`
 
     add_simulate_command(sub)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from planners.families import prompt_family
-from spot.cost import CostConfig
+from spotlight.core.cost import CostConfig
 
 
 @dataclass

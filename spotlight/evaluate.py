@@ -10,11 +10,12 @@ import torch
 from rich.progress import Progress
 
 from spotlight.config import DiTRecipe
-from spotlight.distributed import DataParallel
+from spotlight.core.distributed import DataParallel
+from spotlight.core.seeds import derive_seed
 from spotlight.policy import DiTPolicy
 from spotlight.rewards import CombinedReward
 from spotlight.rollout import resolve_autocast, rollout
-from spotlight.sampling import derive_seed, qwen_image_sigmas
+from spotlight.sampling import qwen_image_sigmas
 
 
 def eval_seeds(cfg: DiTRecipe, prompt_index: int) -> list[int]:

@@ -4,7 +4,7 @@ exploration").
 GRPO learns only from groups whose rewards differ. Exploration samples many candidate seeds per
 prompt, scores them with the recipe's reward, and keeps a high-contrast group of G of them
 (`planners.select_contrast`) for the rollout, which resamples those seeds with the current weights
-for the actual update. Seeds fix whole trajectories (`sampling.derive_seed`, `seeded_noise`) and
+for the actual update. Seeds fix whole trajectories (`core.seeds.derive_seed`, `sampling.seeded_noise`) and
 explorers run the training rollout's sampler (same steps, noise level, SDE type and window), so the
 stale reward of a seed refers to exactly the noise the fresh rollout will use.
 
@@ -92,7 +92,7 @@ import torch
 
 from planners import Observation, build_planner, group_variance, prompt_family, select_contrast
 from spotlight.config import DiTRecipe
-from spotlight.sampling import derive_seed
+from spotlight.core.seeds import derive_seed
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """`spotlight export`: a trained DiT in the formats other tools load.
 
-A checkpoint is our own safetensors plus a manifest (`spotlight.checkpoint`). Users load trained
+A checkpoint is our own safetensors plus a manifest (`spotlight.core.checkpoint`). Users load trained
 Qwen-Image weights with diffusers, so a run exports to:
 
     diffusers-lora   DIR/pytorch_lora_weights.safetensors, written by diffusers' own
@@ -19,45 +19,12 @@ diffusers' writers; nothing here re-implements a file format. The VLM formats (`
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import yaml
-
-from spotlight.checkpoint import Checkpoint, pick_weights
+from spotlight.core.checkpoint import Checkpoint
+from spotlight.core.export import prepare_out, rebuild_policy
 
 DIT_FORMATS = ("diffusers-lora", "diffusers")
-
-
-def prepare_out(out: str | Path, force: bool) -> Path:
-    """`out` as a new empty folder: an existing one is refused without `force`, replaced with it."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise ValueError(f"--to {out} exists; pass --force to replace it, or choose another --to")
-    if out.is_dir():
-        shutil.rmtree(out)
-    elif out.exists():
-        out.unlink()
-    out.mkdir(parents=True)
-    return out
-
-
-def rebuild_policy(ckpt: Checkpoint, recipe_cls, load_policy, load_trainable_state, weights: str, **model_fields):
-    """The policy `ckpt` was trained as, on the CPU, from its own config and its weights: the
-    recipe class and the policy functions of its path (DiT or VLM). Returns (config, policy, which
-    weights: "raw" or "ema")."""
-    from spotlight.config_io import load_config
-
-    cfg = load_config(recipe_cls, base=yaml.safe_load(ckpt.config_yaml))
-    cfg.model.device = "cpu"
-    cfg.model.lora_rank = int(ckpt.meta.get("lora_rank", cfg.model.lora_rank))
-    cfg.model.lora_alpha = float(ckpt.meta.get("lora_alpha", cfg.model.lora_alpha))
-    for name, value in model_fields.items():
-        setattr(cfg.model, name, value)
-    state, which = pick_weights(ckpt, weights)
-    policy = load_policy(cfg.model, trainable=False)
-    load_trainable_state(policy, state)
-    return cfg, policy, which
 
 
 def export_dit(ckpt: Checkpoint, out: str | Path, fmt: str, *, weights: str = "auto", force: bool = False) -> dict:

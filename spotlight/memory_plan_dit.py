@@ -1,5 +1,5 @@
 """The DiT side of `spotlight memory`: the Qwen-Image model's parts, its saved activations per block, and
-the trainer / rollout / explorer roles (formulas in `spotlight.memory_plan`'s docstring)."""
+the trainer / rollout / explorer roles (formulas in `spotlight.core.memory_plan`'s docstring)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from spotlight.memory_plan import (
+from spotlight.core.memory_plan import (
     ASSUMED_TEXT_TOKENS,
     DTYPE_BYTES,
     INFERENCE_UNITS,
@@ -392,7 +392,7 @@ def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_
 def plan_dit(recipe: str | None, overrides: list[str], gpus: int, gpu_mem_gib: float) -> Plan:
     """The DiT plan: roles, sources and suggestions for `recipe` on `gpus` GPUs of `gpu_mem_gib`."""
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import load_config
+    from spotlight.core.config_io import load_config
     from spotlight.policy import default_model_path
 
     cfg = load_config(DiTRecipe, recipe, overrides)

@@ -14,7 +14,7 @@ Layout in the store::
     <store_url>/checkpoints/step-00000012/
         trainable.safetensors, optimizer.*, rng.json, meta.json, config.yaml, manifest.json
         metrics.jsonl            the run's metrics rows up to step 12
-        cost.json                the run's cost ledger then (spot.cost)
+        cost.json                the run's cost ledger then (spotlight.core.cost)
         store-manifest.json      written last (spot.store_base): the folder is visible only when complete
 
 Publishing is synchronous: a checkpoint step returns once the store holds the folder, so "resumed
@@ -35,15 +35,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spot.store import open_store
-from spot.store_base import MANIFEST_NAME, Store, StoreError
-from spotlight.checkpoint import find_latest_checkpoint, set_latest, step_of
+from spot.store_base import MANIFEST_NAME, Store
+from spotlight.core.checkpoint import find_latest_checkpoint, set_latest, step_of
+from spotlight.core.files import StoreError
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "checkpoints"
 """Folder of the store that holds the step folders."""
 METRICS_FILE = "metrics.jsonl"
-COST_FILE = "cost.json"  # spot.cost.COST_FILE
+COST_FILE = "cost.json"  # spotlight.core.cost.COST_FILE
 
 
 class CheckpointMirror:

@@ -10,11 +10,11 @@ default therefore go through the same `from_pretrained` calls and the same forwa
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from spotlight.core.seeds import seeded_init
 from spotlight.latents import load_codec, pack_latents, unpack_latents
 from spotlight.prompt_cache import PromptCache
 
@@ -211,30 +211,6 @@ class DiTPolicy:
 def default_model_path() -> Path:
     """The tiny shapes base model shipped inside the package (`spotlight pretrain` rebuilds it)."""
     return Path(__file__).parent / "assets" / "tiny-shapes-base"
-
-
-LORA_INIT_STREAM = 0x10A1
-"""`derive_seed` stream of a LoRA adapter's initial weights (`seeded_init`)."""
-
-
-@contextmanager
-def seeded_init(seed: int | None, device: str | torch.device):
-    """torch's generators (CPU, and `device`'s if a GPU) seeded from `seed` for a weight init, then restored.
-
-    peft draws a LoRA adapter's initial weights from torch's global generators, which torch seeds
-    at random in every process: seeded here from the run's seed, the same recipe starts from the
-    same adapter (and the rest of the run's randomness is left as it was). None: no seeding.
-    """
-    if seed is None:
-        yield
-        return
-    from spotlight.sampling import derive_seed
-
-    device = torch.device(device)
-    gpus = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=gpus):
-        torch.manual_seed(derive_seed(seed, LORA_INIT_STREAM))  # seeds the GPUs' generators too
-        yield
 
 
 def load_policy(model_cfg, *, trainable: bool = True, seed: int | None = None) -> DiTPolicy:

@@ -32,11 +32,11 @@ import torch
 from rich.progress import Progress
 
 from spotlight.config import PretrainConfig, SampleConfig
-from spotlight.distributed import torch_threads
+from spotlight.core.distributed import torch_threads
+from spotlight.core.runlock import RunLock
+from spotlight.core.seeds import derive_seed
 from spotlight.policy import DiTPolicy
 from spotlight.rewards import shapes
-from spotlight.runlock import RunLock
-from spotlight.sampling import derive_seed
 from spotlight.tiny import build_tiny_model
 
 UNCONDITIONAL_PROMPT = SampleConfig().negative_prompt

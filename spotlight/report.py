@@ -1,7 +1,7 @@
 """`spotlight report RUN_DIR`: one self-contained HTML page (plus its PNGs) for a run directory.
 
 The page reads only what a run writes (see `train.py`): `metrics.jsonl` (`tracking.read_metrics`),
-`images/<key>-<step>.png`, `explore.jsonl` (`explore.LOG_FILE`), `cost.json` (`spot.cost`),
+`images/<key>-<step>.png`, `explore.jsonl` (`explore.LOG_FILE`), `cost.json` (`spotlight.core.cost`),
 `config.yaml` and `checkpoints/`. It needs no network to be read: the CSS is inline and every
 picture is embedded as a base64 `data:` URI (and also written as a PNG file next to the page, for
 slides and notes). There is no script.
@@ -41,9 +41,9 @@ import yaml
 from matplotlib.figure import Figure  # a Figure renders with Agg by itself: no pyplot, no global backend
 from matplotlib.ticker import MaxNLocator
 
-from spot.cost import COST_FILE, read_ledger, summarize
+from spotlight.core.cost import COST_FILE, read_ledger, summarize
+from spotlight.core.tracking import IMAGES_DIR, METRICS_FILE, read_metrics
 from spotlight.explore import FALLBACK_CAUSES, LOG_FILE
-from spotlight.tracking import IMAGES_DIR, METRICS_FILE, read_metrics
 
 logger = logging.getLogger(__name__)
 

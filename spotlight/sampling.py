@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from spotlight.core.seeds import derive_seed
+
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -213,26 +215,6 @@ def qwen_image_sigmas(num_steps: int, image_seq_len: int, *, shift_terminal: flo
 # ---------------------------------------------------------------------------------------------
 # Trajectory-fixing seeds
 # ---------------------------------------------------------------------------------------------
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    # SplitMix64 finaliser (Steele et al., "Fast splittable pseudorandom number generators"):
-    # decorrelates neighbouring (seed, step) pairs before they seed torch's Mersenne Twister.
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed derived from integers (run seed, iteration, index, ...)."""
-    h = 0
-    for p in parts:
-        h = _splitmix64(h ^ (int(p) & _MASK64))
-    return h >> 1
-
 
 INITIAL_NOISE_STEP = -1
 """Step index whose noise is the initial latent."""

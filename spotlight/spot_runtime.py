@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 
 from spot.jobqueue import Job
-from spot.localray import ON_DEMAND, SPOT, import_ray_on_loopback
+from spot.localray import import_ray_on_loopback
 from spot.runtime import Runtime, RuntimeStatus
 from spotlight.config import DiTRecipe
+from spotlight.core.cost import ON_DEMAND, SPOT
 from spotlight.explore import ExploreJob, ExploreResult
 from spotlight.jobs import (
     EXPLORE,

@@ -20,7 +20,7 @@ checkpoints, cost) and drives the explorers. Under FSDP the transformer is shard
 (`distributed.shard_transformer`): every rank then runs every forward (padded rollouts and eval
 slices), and checkpoints and the weights published to the explorers are gathered to rank 0.
 
-Cost: every iteration charges its wall time to the run's ledger (`spot.cost`, `cost.json`): the
+Cost: every iteration charges its wall time to the run's ledger (`spotlight.core.cost`, `cost.json`): the
 trainer's GPUs at the on-demand price, and the spot GPUs the Ray cluster holds at the spot price.
 """
 
@@ -38,21 +38,19 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from spot.cost import CostLedger, spot_gpus_held
-from spotlight.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
+from spot.localray import spot_gpus_held
 from spotlight.config import DiTRecipe
-from spotlight.config_io import dump_yaml, save_config, to_dict
-from spotlight.distributed import (
-    DataParallel,
-    gather_rewards,
-    gather_train_state,
-    gather_trainable_weights,
-    init_data_parallel,
-    load_resume_checkpoint,
-    load_train_state,
-    shard_transformer,
-    torch_threads,
-)
+from spotlight.core.advantages import group_advantages
+from spotlight.core.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
+from spotlight.core.config_io import dump_yaml, save_config, to_dict
+from spotlight.core.cost import CostLedger
+from spotlight.core.distributed import DataParallel, init_data_parallel, load_resume_checkpoint, torch_threads
+from spotlight.core.optim import run_cooldown_scale
+from spotlight.core.rewards import gather_rewards
+from spotlight.core.runlock import RunLock, remove_if_empty_run
+from spotlight.core.seeds import derive_seed
+from spotlight.core.time_budget import IterationBudget, progress_total
+from spotlight.core.tracking import Tracker
 from spotlight.evaluate import evaluate
 from spotlight.explore import (
     Exploration,
@@ -61,18 +59,14 @@ from spotlight.explore import (
     publishes_before_update,
     start_exploration,
 )
-from spotlight.grpo import group_advantages
 from spotlight.mirror import CheckpointMirror
-from spotlight.optim import run_cooldown_scale
+from spotlight.parallel.fsdp import gather_train_state, gather_trainable_weights, load_train_state, shard_transformer
 from spotlight.policy import load_policy, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
 from spotlight.rollout import Rollout, resolve_autocast, rollout
-from spotlight.runlock import RunLock, remove_if_empty_run
-from spotlight.sampling import Trajectory, derive_seed, qwen_image_sigmas, sde_step_indices
+from spotlight.sampling import Trajectory, qwen_image_sigmas, sde_step_indices
 from spotlight.spot_runtime import SpotRuntime, runtime_wanted, start_runtime
-from spotlight.time_budget import IterationBudget, progress_total
-from spotlight.tracking import Tracker
 from spotlight.trainer import GRPOTrainer
 
 logger = logging.getLogger(__name__)

@@ -29,19 +29,20 @@ import numpy as np
 import torch
 
 from spotlight.config import DiTRecipe
-from spotlight.distributed import DataParallel, swapped_shards
+from spotlight.core.advantages import Advantages
+from spotlight.core.distributed import DataParallel, swapped_shards
+from spotlight.core.optim import apply_lr_schedule
+from spotlight.core.seeds import derive_seed
 from spotlight.grpo import (
-    Advantages,
     clipped_policy_loss,
     gaussian_mean_kl,
     nft_level_indices,
     nft_loss,
     nft_optimality,
 )
-from spotlight.optim import apply_lr_schedule
 from spotlight.policy import DiTPolicy
 from spotlight.rollout import AUTOCAST_DTYPES, PromptBatch, Rollout, encode, guided_velocity, resolve_train_autocast
-from spotlight.sampling import derive_seed, stochastic_step
+from spotlight.sampling import stochastic_step
 
 
 class GRPOTrainer:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from spotlight import checkpoint as ckpt
-from spotlight.checkpoint import (
+from spotlight.core import checkpoint as ckpt
+from spotlight.core.checkpoint import (
     CheckpointError,
     capture_rng_state,
     find_latest_checkpoint,

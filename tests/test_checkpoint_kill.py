@@ -17,12 +17,12 @@ import textwrap
 import pytest
 import torch
 
-from spotlight.checkpoint import DAMAGED_DIR, load_checkpoint, newest_intact_checkpoint
+from spotlight.core.checkpoint import DAMAGED_DIR, load_checkpoint, newest_intact_checkpoint
 
 CHILD = textwrap.dedent("""
     import os, signal, sys
     import torch
-    import spotlight.checkpoint as ck
+    import spotlight.core.checkpoint as ck
 
     run, phase, second_step = sys.argv[1], sys.argv[2], int(sys.argv[3])
 

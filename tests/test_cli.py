@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
-from spotlight.tracking import read_metrics
+from spotlight.core.checkpoint import load_checkpoint
+from spotlight.core.tracking import read_metrics
 
 
 def tiny_overrides(model_dir: Path, iterations: int = 2) -> list[str]:
@@ -247,7 +247,7 @@ def test_config_errors_name_key_and_suggestion(capsys):
 
 def test_tiny_shapes_recipe_is_the_embedded_default():
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import load_config
+    from spotlight.core.config_io import load_config
 
     assert load_config(DiTRecipe, "configs/dit/tiny-shapes.yaml") == DiTRecipe()
 
@@ -284,7 +284,7 @@ def test_the_recipes_are_found():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_loads_and_its_prompt_files_are_shipped(recipe, monkeypatch):
     from spotlight.config import DiTRecipe, PretrainConfig
-    from spotlight.config_io import load_config
+    from spotlight.core.config_io import load_config
     from spotlight.prompts import train_and_eval_prompts
 
     monkeypatch.chdir(REPO)  # the README's commands run from the repository root
@@ -322,7 +322,7 @@ def test_pretrain_caption_dropout_trains_some_images_on_the_empty_prompt(tmp_pat
     """caption_dropout: that share of captions becomes the sampler's default negative prompt " "
     (what true CFG subtracts); the rest stay their images' captions."""
     from spotlight.config import PretrainConfig, SampleConfig
-    from spotlight.config_io import load_config
+    from spotlight.core.config_io import load_config
     from spotlight.policy import DiTPolicy
     from spotlight.pretrain import pretrain
     from spotlight.rewards.shapes import parse_prompt

@@ -19,7 +19,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 import spot.metadata
-from spot.localray import ON_DEMAND, SPOT
+from spotlight.core.cost import ON_DEMAND, SPOT
 
 CLUSTER_YAML = Path(__file__).resolve().parents[1] / "configs" / "cluster" / "aws-spot.yaml"
 
@@ -57,7 +57,7 @@ def test_head_is_on_demand_and_workers_are_spot_with_the_pool_resources(prepared
         market = t["node_config"]["InstanceMarketOptions"]
         assert market["MarketType"] == "spot", name
         assert market["SpotOptions"]["InstanceInterruptionBehavior"] == "terminate", name
-        # One `spot` unit per GPU: the cluster's `spot` total is the spot GPUs held (spot.cost).
+        # One `spot` unit per GPU: the cluster's `spot` total is the spot GPUs held (spotlight.core.cost).
         assert t["resources"][SPOT] == t["resources"]["GPU"] >= 1, name
         assert ON_DEMAND not in t["resources"], name
     for t in prepared["available_node_types"].values():

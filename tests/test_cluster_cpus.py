@@ -18,7 +18,7 @@ import torch
 
 from spot.cluster import children_on, pin_process, split_cpus
 from spotlight.config import DiTRecipe
-from spotlight.config_io import from_dict
+from spotlight.core.config_io import from_dict
 
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(len(CPUS) < 2, reason="needs 2 CPUs to split")

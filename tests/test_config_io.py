@@ -1,4 +1,4 @@
-"""Tests for spotlight.config_io on small nested config dataclasses defined here."""
+"""Tests for spotlight.core.config_io on small nested config dataclasses defined here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Literal
 
 import pytest
 
-from spotlight.config_io import (
+from spotlight.core.config_io import (
     describe,
     dump_yaml,
     field_docs,

@@ -1,4 +1,4 @@
-"""The GPU cost ledger (`spot.cost`), its EC2 price history path, and `spotlight cost`.
+"""The GPU cost ledger (`spotlight.core.cost`), its EC2 price history path, and `spotlight cost`.
 
 EC2 price history comes from a fixture in the shape `describe_spot_price_history` returns, fed
 through botocore's Stubber on a real boto3 EC2 client: moto's spot price history is a placeholder
@@ -18,7 +18,8 @@ import pytest
 from botocore.stub import Stubber
 from s3_server import SECRETS, fake_aws_environment
 
-from spot.cost import (
+from spotlight.cli import main
+from spotlight.core.cost import (
     COST_FILE,
     CostConfig,
     CostLedger,
@@ -28,7 +29,6 @@ from spot.cost import (
     price_steps,
     read_ledger,
 )
-from spotlight.cli import main
 
 FIXTURE = Path(__file__).parent / "data" / "spot_price_history_p5.4xlarge_us-east-1.json"
 
@@ -311,8 +311,8 @@ def test_cost_config_mistakes_name_the_field(capsys):
 def test_training_logs_its_cost_each_iteration(tiny_model_dir, tmp_path):
     """The driver charges every iteration; a resumed run continues the ledger (the repeated seconds stay)."""
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import from_dict
-    from spotlight.tracking import read_metrics
+    from spotlight.core.config_io import from_dict
+    from spotlight.core.tracking import read_metrics
     from spotlight.train import run_training
 
     data = {
@@ -342,8 +342,8 @@ def test_training_logs_its_cost_each_iteration(tiny_model_dir, tmp_path):
 def test_spot_gpus_held_are_charged_while_exploring(tiny_model_dir, tmp_path):
     """A local cluster with 2 spot nodes: every interval charges the spot GPUs held, busy or not."""
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import from_dict
-    from spotlight.tracking import read_metrics
+    from spotlight.core.config_io import from_dict
+    from spotlight.core.tracking import read_metrics
     from spotlight.train import run_training
 
     cfg = from_dict(

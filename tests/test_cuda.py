@@ -17,10 +17,10 @@ import torch
 from test_grpo import _cfg
 from test_vlm_train import _recipe, _weights, base  # noqa: F401 (base: the warm-started VLM fixture)
 
-from spotlight.grpo import group_advantages
+from spotlight.core.advantages import group_advantages
+from spotlight.core.tracking import read_metrics
 from spotlight.rollout import rollout
 from spotlight.sampling import qwen_image_sigmas
-from spotlight.tracking import read_metrics
 from spotlight.trainer import GRPOTrainer
 from vlm.train import run_training
 
@@ -102,8 +102,8 @@ def test_update_on_cuda_moves_the_weights_as_on_the_cpu(tiny_model_dir, objectiv
 
 def test_cli_trains_resumes_and_evaluates_the_tiny_recipe_on_cuda(tmp_path, capsys):
     """The README's job on a GPU through the CLI's own entry point: train, resume, eval."""
-    from spotlight.checkpoint import load_checkpoint
     from spotlight.cli import main
+    from spotlight.core.checkpoint import load_checkpoint
 
     recipe = str(REPO / "configs/dit/tiny-shapes.yaml")
     small = [

@@ -1,5 +1,5 @@
 """Resume past a damaged newest checkpoint: the run goes on from the newest intact one, and ends
-bit-identical to an uninterrupted run (spotlight.checkpoint.newest_intact_checkpoint)."""
+bit-identical to an uninterrupted run (spotlight.core.checkpoint.newest_intact_checkpoint)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_cli import tiny_overrides, without_time
 
-from spotlight.checkpoint import DAMAGED_DIR, load_checkpoint
 from spotlight.cli import main
-from spotlight.tracking import read_metrics
+from spotlight.core.checkpoint import DAMAGED_DIR, load_checkpoint
+from spotlight.core.tracking import read_metrics
 
 
 def truncate(step_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""Data-parallel training (spotlight.distributed): 2 real gloo processes (on one machine, and as
+"""Data-parallel training (spotlight.core.distributed): 2 real gloo processes (on one machine, and as
 two machines of one process each) against 1 process.
 
 The end-to-end test launches the trainer with `accelerate launch` and the shipped 2-process CPU
@@ -17,10 +17,10 @@ import torch
 import torch.multiprocessing as mp
 from launch import free_port, launch, launch_machines
 
-from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
-from spotlight.distributed import DataParallel
-from spotlight.tracking import read_metrics
+from spotlight.core.checkpoint import load_checkpoint
+from spotlight.core.distributed import DataParallel
+from spotlight.core.tracking import read_metrics
 
 CPU_2PROC = "configs/accelerate/cpu-2proc.yaml"
 
@@ -221,7 +221,7 @@ def test_collectives_on_two_gloo_processes(tmp_path):
 
 
 def test_one_process_layout_is_the_identity(monkeypatch):
-    from spotlight.distributed import init_data_parallel
+    from spotlight.core.distributed import init_data_parallel
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     dp = init_data_parallel()
@@ -231,7 +231,7 @@ def test_one_process_layout_is_the_identity(monkeypatch):
 
 
 def test_fsdp_launch_is_refused_with_the_config_to_use(monkeypatch):
-    from spotlight.distributed import init_data_parallel
+    from spotlight.core.distributed import init_data_parallel
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")

@@ -91,7 +91,7 @@ def test_store_weights_round_trip(tmp_path):
 def cfg(tmp_path_factory):
     """A tiny real model with 4 heads; 24x40 pixels -> 3x5 = 15 image tokens; prompts padded to 16."""
     from spotlight.config import DiTRecipe, TinyModelConfig
-    from spotlight.config_io import from_dict
+    from spotlight.core.config_io import from_dict
     from spotlight.rewards.shapes import all_prompts
     from spotlight.tiny import build_tiny_model
 

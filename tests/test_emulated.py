@@ -10,9 +10,9 @@ import torch
 from test_explore import check_selection, read_log, tiny_recipe
 
 import spotlight.jobs
+from spotlight.core.tracking import read_metrics
 from spotlight.emulated import EmulatedExplorers
 from spotlight.explore import ExploreJob, ExploreResult
-from spotlight.tracking import read_metrics
 
 
 class FakeClock:
@@ -207,7 +207,7 @@ def test_cheap_exploration_refuses_stochastic_rollouts(tiny_model_dir):
 def test_a_run_ends_at_the_evaluation_that_reaches_the_target(tiny_model_dir, tmp_path):
     """eval.stop_at (what benchmarks/time_to_target.py stops its runs with): the run ends after the
     first held-out evaluation at or above it, with a checkpoint; a target never reached changes nothing."""
-    from spotlight.checkpoint import find_latest_checkpoint
+    from spotlight.core.checkpoint import find_latest_checkpoint
     from spotlight.train import run_training
 
     cfg = tiny_recipe(tiny_model_dir, "none")

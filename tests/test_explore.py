@@ -27,7 +27,9 @@ import pytest
 
 from planners import select_contrast
 from spotlight.config import DiTRecipe
-from spotlight.config_io import from_dict
+from spotlight.core.config_io import from_dict
+from spotlight.core.seeds import derive_seed
+from spotlight.core.tracking import read_metrics
 from spotlight.explore import (
     LOG_FILE,
     BudgetModel,
@@ -44,8 +46,6 @@ from spotlight.explore import (
     selection_metrics,
     split_jobs,
 )
-from spotlight.sampling import derive_seed
-from spotlight.tracking import read_metrics
 from spotlight.train import plan_iteration
 
 REPO = Path(__file__).resolve().parents[1]
@@ -334,7 +334,7 @@ def test_stale_mode_from_the_cli(tiny_model_dir, tmp_path):
     # The weights are copied for the explorers only for a window with candidates (batch k's at iteration k - 1).
     planned = {row["iteration"] for row in log if any(slot["planned"] for slot in row["slots"])}
     assert [r["explore/weights_copies"] for r in rows] == [int(r["step"] in planned) for r in rows]
-    from spotlight.checkpoint import load_checkpoint
+    from spotlight.core.checkpoint import load_checkpoint
 
     meta = load_checkpoint(run_dir).meta["explore"]
     assert meta["planner"]["planner"] == "uniform" and meta["budget"]["update_s"] > 0
@@ -346,8 +346,8 @@ def test_mode_none_is_plain_grpo_and_never_imports_ray(tiny_model_dir, tmp_path,
     Ray is never imported."""
     import torch
 
-    from spotlight.checkpoint import load_checkpoint
-    from spotlight.grpo import group_advantages
+    from spotlight.core.advantages import group_advantages
+    from spotlight.core.checkpoint import load_checkpoint
     from spotlight.policy import load_policy, trainable_state
     from spotlight.prompts import train_and_eval_prompts
     from spotlight.rewards import build_reward

@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_cli import tiny_overrides
 
-from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
+from spotlight.core.checkpoint import load_checkpoint
 
 JPEG = "reward.weights={jpeg_compressibility: 1.0}"  # varies per seed: every group trains
 
@@ -50,7 +50,7 @@ def dit_velocity(transformer, tiny_model_dir) -> torch.Tensor:
 
 def trained_dit_velocity(run_dir: Path, tiny_model_dir) -> torch.Tensor:
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import load_config
+    from spotlight.core.config_io import load_config
     from spotlight.policy import load_policy, load_trainable_state
 
     ckpt = load_checkpoint(run_dir)
@@ -122,7 +122,7 @@ def test_export_mistakes_are_one_line(dit_runs, tmp_path, capsys):
 def vlm_runs(tmp_path_factory):
     from test_vlm_train import SPEC, TASK, _recipe
 
-    from spotlight.config_io import load_config
+    from spotlight.core.config_io import load_config
     from vlm.config import WarmStartRecipe
     from vlm.train import run_training
     from vlm.warmstart import warm_start
@@ -167,7 +167,7 @@ def vlm_logits(model, processor_folder: Path) -> torch.Tensor:
 def trained_vlm_logits(run_dir: Path, base: Path) -> torch.Tensor:
     import yaml
 
-    from spotlight.config_io import load_config
+    from spotlight.core.config_io import load_config
     from vlm.config import VLMRecipe
     from vlm.policy import load_policy, load_trainable_state
 

@@ -1,4 +1,4 @@
-"""FSDP (spotlight.distributed.shard_transformer): 2 real gloo processes with a sharded transformer
+"""FSDP (spotlight.parallel.fsdp.shard_transformer): 2 real gloo processes with a sharded transformer
 against 1 process.
 
 The trainer is launched with the real `accelerate launch` and an FSDP config (`distributed_type:
@@ -22,9 +22,9 @@ import pytest
 import torch
 from launch import cpu_fsdp_config, launch
 
-from spotlight.checkpoint import load_checkpoint
-from spotlight.distributed import FSDPSettings
-from spotlight.tracking import read_metrics
+from spotlight.core.checkpoint import load_checkpoint
+from spotlight.core.distributed import FSDPSettings
+from spotlight.core.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -149,7 +149,7 @@ def test_fsdp_two_processes_match_one_and_resume(tiny_model_dir, tmp_path, varia
 
 def test_fsdp_launch_with_fsdp_version_1_is_refused(monkeypatch):
     """accelerate's default fsdp_version is 1: refused, naming the setting."""
-    from spotlight.distributed import init_data_parallel
+    from spotlight.core.distributed import init_data_parallel
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
@@ -199,14 +199,14 @@ def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ra
     stale mode's windows may all come back late under CPU load, so there the run itself is the
     check (the gather before each update is a collective every rank joins, or the run hangs).
     """
-    from spotlight.checkpoint import load_checkpoint
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import load_config
+    from spotlight.core.checkpoint import load_checkpoint
+    from spotlight.core.config_io import load_config
+    from spotlight.core.seeds import derive_seed
     from spotlight.explore import LOG_FILE, ExploreJob
     from spotlight.jobs import DiTRunner
     from spotlight.policy import trainable_state
     from spotlight.prompts import train_and_eval_prompts
-    from spotlight.sampling import derive_seed
     from spotlight.train import plan_iteration
 
     run = tmp_path / "run"

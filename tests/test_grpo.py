@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from spotlight.config import DiTRecipe
-from spotlight.config_io import from_dict
-from spotlight.grpo import clipped_policy_loss, gaussian_mean_kl, group_advantages
+from spotlight.core.advantages import group_advantages
+from spotlight.core.config_io import from_dict
+from spotlight.grpo import clipped_policy_loss, gaussian_mean_kl
 from spotlight.rollout import rollout
 from spotlight.sampling import qwen_image_sigmas
 from spotlight.trainer import GRPOTrainer
@@ -227,7 +228,7 @@ def test_stratified_noise_levels_span_the_schedule_with_uniform_marginals():
 
 
 def test_lora_init_follows_the_run_seed(tiny_model_dir):
-    """The DiT adapter's initial weights are a function of train.seed (`spotlight.policy.seeded_init`)."""
+    """The DiT adapter's initial weights are a function of train.seed (`spotlight.core.seeds.seeded_init`)."""
     from spotlight.config import ModelConfig
     from spotlight.policy import load_policy, trainable_state
 

@@ -1,11 +1,13 @@
 """Package layering: which of our packages may import which, and no import cycles.
 
-Allowed import directions, lowest layer first:
+Allowed import directions, lowest layer first (a layer is a top-level package, except
+`spotlight.core`, which is a layer of its own):
 
-    planners    imports none of our packages
-    spot        may import planners
-    spotlight   may import spot and planners
-    vlm         may import spotlight, spot and planners
+    spotlight.core  imports none of our packages
+    planners        imports none of our packages
+    spot            may import spotlight.core and planners
+    spotlight       may import spotlight.core, spot and planners (the DiT path)
+    vlm             may import spotlight.core (the VLM path)
 
 and above them all the command line, `spotlight.cli` (`TOP`), which may import every package: it
 dispatches `spotlight vlm ...` and `spotlight memory` to either path.
@@ -28,13 +30,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+CORE = "spotlight.core"
+
 ALLOWED: dict[str, frozenset[str]] = {
+    CORE: frozenset(),
     "planners": frozenset(),
-    "spot": frozenset({"planners"}),
-    "spotlight": frozenset({"spot", "planners"}),
-    "vlm": frozenset({"spotlight", "spot", "planners"}),
+    "spot": frozenset({CORE, "planners"}),
+    "spotlight": frozenset({CORE, "spot", "planners"}),
+    "vlm": frozenset({CORE}),
 }
-"""Package -> the other packages of ours it may import (see the module docstring)."""
+"""Layer -> the other layers of ours it may import (see the module docstring)."""
 
 TOP: frozenset[str] = frozenset({"spotlight.cli"})
 """Modules above every package: they may import any of ours (and, by the cycle check, none imports them back)."""
@@ -47,7 +52,8 @@ KNOWN_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset()
 # refactor removes them. No entry may hold a `spot` module.
 KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
 
-PACKAGES = tuple(ALLOWED)
+PACKAGES = ("planners", "spot", "spotlight", "vlm")
+"""The top-level packages whose source is read (spotlight.core lies inside spotlight)."""
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -119,7 +125,9 @@ def repo_graph() -> dict[str, set[str]]:
 
 
 def top(module: str) -> str:
-    """The top-level package of a dotted module name."""
+    """The layer of a dotted module name: `spotlight.core` for it and its modules, else the top-level package."""
+    if module == CORE or module.startswith(CORE + "."):
+        return CORE
     return module.partition(".")[0]
 
 
@@ -187,7 +195,8 @@ def layering_problems(
     """One line per forbidden edge not in `known`, and per entry of `known` that is gone."""
     found = forbidden_edges(graph, allowed)
     return [
-        f"{a} -> {b}: {top(a)} may import only {', '.join(sorted(allowed[top(a)])) or 'none of our packages'}"
+        f"{a} -> {b}: {top(a)} may import "
+        + (f"only {', '.join(sorted(allowed[top(a)]))}" if allowed[top(a)] else "none of our packages")
         for a, b in sorted(found - known)
     ] + [f"{a} -> {b}: gone, delete it from KNOWN_EXCEPTIONS" for a, b in sorted(known - found)]
 
@@ -213,10 +222,15 @@ def test_checks_catch_a_synthetic_violation():
         "spot.x": {"planners.a", "spotlight.y"},  # spot -> spotlight: forbidden
         "spotlight.y": {"spot.x", "spotlight.z"},
         "spotlight.z": {"spotlight.y"},
-        "vlm.w": {"spotlight.y", "spot.x", "planners.b"},
+        "vlm.w": {"spotlight.core.k"},
+        "spotlight.core.k": set(),
         "planners.c": {"vlm.w"},  # planners -> vlm: forbidden
     }
     assert forbidden_edges(graph) == {("spot.x", "spotlight.y"), ("planners.c", "vlm.w")}
+    # The core is a layer of its own, below spotlight: vlm may import it and nothing else of ours.
+    assert forbidden_edges(
+        {"vlm.w": {"spotlight.core.k", "spotlight.y", "spot.x"}, "spotlight.core.k": {"planners.b"}}
+    ) == {("vlm.w", "spotlight.y"), ("vlm.w", "spot.x"), ("spotlight.core.k", "planners.b")}
     # The command line sits above every package; another spotlight module may not import vlm.
     assert forbidden_edges({"spotlight.cli": {"vlm.w"}, "spotlight.y": {"vlm.w"}, "vlm.w": set()}) == {
         ("spotlight.y", "vlm.w")
@@ -231,7 +245,7 @@ def test_checks_catch_a_synthetic_violation():
     # Listed problems pass; a stale entry fails, as does one more edge or cycle.
     assert not layering_problems(graph, known=frozenset(forbidden_edges(graph)))
     assert layering_problems(graph, known=frozenset({("planners.c", "vlm.w")})) == [
-        "spot.x -> spotlight.y: spot may import only planners"
+        "spot.x -> spotlight.y: spot may import only planners, spotlight.core"
     ]
     stale = frozenset(forbidden_edges(graph) | {("spot.x", "vlm.w")})
     assert layering_problems(graph, known=stale) == ["spot.x -> vlm.w: gone, delete it from KNOWN_EXCEPTIONS"]
@@ -257,7 +271,7 @@ def test_relative_imports_resolve():
 
 def test_imports_follow_the_layers():
     graph = repo_graph()
-    assert {top(m) for m in graph} == set(PACKAGES), "a package was not found; is ROOT right?"
+    assert {top(m) for m in graph} == set(ALLOWED), "a layer was not found; is ROOT right?"
     assert not any(top(src) == "spot" for src, _ in KNOWN_EXCEPTIONS), "spot may have no exception"
     problems = layering_problems(graph)
     assert not problems, (

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from spotlight.cli import memory_plan
-from spotlight.memory_plan import GROUPS
+from spotlight.core.memory_plan import GROUPS
 
 TOLERANCE = 0.25
 
@@ -190,8 +190,8 @@ def _measure_dit_update(cfg, policy, trainer, ro, adv, *, block_recompute: int =
 @pytest.mark.parametrize("case", list(DIT_CASES))
 def test_dit_plan_matches_a_measured_training_step(case, copies):
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import load_config
-    from spotlight.grpo import group_advantages
+    from spotlight.core.advantages import group_advantages
+    from spotlight.core.config_io import load_config
     from spotlight.policy import load_policy
     from spotlight.prompts import train_and_eval_prompts
     from spotlight.rollout import rollout
@@ -259,7 +259,7 @@ VLM_CASES = {
 @pytest.fixture(scope="module")
 def tiny_vlm(tmp_path_factory):
     """A tiny Qwen2.5-VL folder (random weights: memory does not depend on them) for the tiny-count task."""
-    from spotlight.config_io import load_config
+    from spotlight.core.config_io import load_config
     from vlm.config import TinyVLMConfig, VLMRecipe
     from vlm.task import corpus
     from vlm.tiny import build_tiny_vlm
@@ -272,8 +272,8 @@ def tiny_vlm(tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(VLM_CASES))
 def test_vlm_plan_matches_a_measured_training_step(case, tiny_vlm):
-    from spotlight.config_io import load_config
-    from spotlight.sampling import derive_seed
+    from spotlight.core.config_io import load_config
+    from spotlight.core.seeds import derive_seed
     from vlm.config import VLMRecipe
     from vlm.memory import tensor_bytes
     from vlm.policy import load_policy

@@ -23,7 +23,7 @@ from test_cli import tiny_overrides
 
 from spot.store import open_store
 from spot.store_base import MANIFEST_NAME
-from spotlight.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from spotlight.core.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from spotlight.mirror import CheckpointMirror
 
 BUCKET = "spot-mirror-test"

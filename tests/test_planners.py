@@ -364,7 +364,7 @@ def test_benchmark_prints_one_json_line(tmp_path):
 def test_benchmark_reads_the_budget_a_run_measured(tmp_path):
     """`--budget-from RUN_DIR`: the mean of the run's measured (not guessed) budgets over P x max candidates."""
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import save_config
+    from spotlight.core.config_io import save_config
 
     cfg = DiTRecipe()
     cfg.train.prompts_per_iteration, cfg.train.group_size, cfg.explore.max_candidates = 4, 4, 10

@@ -15,12 +15,12 @@ import torch
 import spotlight.train as train_mod
 from spotlight.cli import main
 from spotlight.config import DiTRecipe
-from spotlight.grpo import group_advantages
+from spotlight.core.advantages import group_advantages
+from spotlight.core.tracking import read_metrics
 from spotlight.policy import load_policy
 from spotlight.prompt_cache import PREFETCH_THREAD, PromptCache, UncachedPrompts
 from spotlight.rollout import rollout
 from spotlight.sampling import qwen_image_sigmas, sde_step_indices
-from spotlight.tracking import read_metrics
 from spotlight.trainer import GRPOTrainer
 
 PROMPTS = ["one red circle", "two blue squares", "three green triangles"]

@@ -106,10 +106,10 @@ DIT_RECIPES = {
 
 @pytest.mark.parametrize("recipe", sorted(DIT_RECIPES))
 def test_dit_recipe_runs_one_step(recipe, tiny_qwen_image, tiny_reward_models, tmp_path):
-    from spotlight.checkpoint import load_checkpoint
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import load_config
-    from spotlight.tracking import read_metrics
+    from spotlight.core.checkpoint import load_checkpoint
+    from spotlight.core.config_io import load_config
+    from spotlight.core.tracking import read_metrics
 
     reward_overrides, prompts, reward_name = DIT_RECIPES[recipe]
     recipe_path = ROOT / "configs/dit" / f"{recipe}.yaml"
@@ -163,9 +163,9 @@ def test_dit_recipe_runs_one_step(recipe, tiny_qwen_image, tiny_reward_models, t
 
 
 def test_vlm_recipe_runs_one_step(tmp_path):
-    from spotlight.checkpoint import load_checkpoint
-    from spotlight.config_io import load_config
-    from spotlight.tracking import read_metrics
+    from spotlight.core.checkpoint import load_checkpoint
+    from spotlight.core.config_io import load_config
+    from spotlight.core.tracking import read_metrics
     from vlm.config import TinyVLMConfig, VLMRecipe
     from vlm.task import CELL_PX, corpus
     from vlm.tiny import build_tiny_vlm

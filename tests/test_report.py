@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from spot.cost import CostConfig, CostLedger
 from spotlight.cli import main
 from spotlight.config import DiTRecipe
-from spotlight.config_io import save_config
+from spotlight.core.config_io import save_config
+from spotlight.core.cost import CostConfig, CostLedger
+from spotlight.core.tracking import Tracker
 from spotlight.report import NOT_RECORDED, SECTIONS, write_report
-from spotlight.tracking import Tracker
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = Path("/usr/bin/chromium")

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from spotlight.config_io import load_config
+from spotlight.core.config_io import load_config
 from vlm.config import TaskConfig, TinyVLMConfig, VLMRecipe
 from vlm.policy import load_policy, response_logprobs
 from vlm.rollout import HFRolloutEngine

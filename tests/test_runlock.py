@@ -1,4 +1,4 @@
-"""One writer per run directory and per store (spotlight.runlock): a second trainer refuses with the
+"""One writer per run directory and per store (spotlight.core.runlock): a second trainer refuses with the
 holder named, a dead holder is taken over, and a fenced old holder stops writing.
 
 The CLI tests run the real `spotlight train` twice on one run directory (the second refuses while
@@ -20,10 +20,10 @@ import pytest
 from test_cli import tiny_overrides
 
 from spot.store import open_store
-from spotlight.checkpoint import load_checkpoint
+from spotlight.core.checkpoint import load_checkpoint
+from spotlight.core.runlock import LOCK_FILE, STORE_LEASE, Fenced, RunDirBusy, RunLock, remove_if_empty_run
+from spotlight.core.tracking import read_metrics
 from spotlight.mirror import CheckpointMirror
-from spotlight.runlock import LOCK_FILE, STORE_LEASE, Fenced, RunDirBusy, RunLock, remove_if_empty_run
-from spotlight.tracking import read_metrics
 
 
 def test_a_second_holder_is_refused_and_names_the_first(tmp_path):
@@ -40,7 +40,7 @@ def test_a_second_holder_is_refused_and_names_the_first(tmp_path):
 def test_a_holder_that_died_is_taken_over(tmp_path):
     """The kernel drops a dead process's flock; its record (not released) names what was taken over."""
     code = (
-        "import os, signal, sys; from spotlight.runlock import RunLock; "
+        "import os, signal, sys; from spotlight.core.runlock import RunLock; "
         f"lock = RunLock({str(tmp_path / 'run')!r}, 'spotlight train'); print('held', flush=True); "
         "os.kill(os.getpid(), signal.SIGKILL)"
     )

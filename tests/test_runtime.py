@@ -416,7 +416,7 @@ def test_a_lost_worker_also_loses_the_step_it_was_computing():
 
 def tiny_cfg(model_dir, **sample):
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import from_dict
+    from spotlight.core.config_io import from_dict
 
     data = {
         "model": {"path": str(model_dir), "height": 32, "width": 32, "max_text_tokens": 16},

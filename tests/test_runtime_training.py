@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from spotlight.checkpoint import load_checkpoint
 from spotlight.config import DiTRecipe
-from spotlight.config_io import from_dict
-from spotlight.tracking import read_metrics
+from spotlight.core.checkpoint import load_checkpoint
+from spotlight.core.config_io import from_dict
+from spotlight.core.tracking import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 ITERATIONS, COMMIT_EVERY, NUM_STEPS = 3, 2, 6

@@ -254,9 +254,9 @@ def test_setup_and_profile_errors_name_the_field(tmp_path):
 def test_profile_from_run_reads_the_time_columns(tmp_path):
     from spot.sim.profile import METRICS_FILE
     from spotlight.config import DiTRecipe
-    from spotlight.config_io import save_config
-    from spotlight.tracking import METRICS_FILE as TRAINER_METRICS_FILE
-    from spotlight.tracking import Tracker
+    from spotlight.core.config_io import save_config
+    from spotlight.core.tracking import METRICS_FILE as TRAINER_METRICS_FILE
+    from spotlight.core.tracking import Tracker
 
     assert METRICS_FILE == TRAINER_METRICS_FILE  # spot repeats the name: it may not import spotlight
     cfg = DiTRecipe()

@@ -37,7 +37,7 @@ import yaml
 from ray.scripts.scripts import start as ray_start_command
 
 import spot.metadata
-from spot.localray import ON_DEMAND, SPOT
+from spotlight.core.cost import ON_DEMAND, SPOT
 
 ROOT = Path(__file__).resolve().parents[1]
 SKY_DIR = ROOT / "configs" / "skypilot"

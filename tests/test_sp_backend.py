@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from test_ulysses import TOL, _stock, _tiny_model_and_inputs
 
 from spotlight.config import DiTRecipe, ParallelConfig
-from spotlight.config_io import load_config
+from spotlight.core.config_io import load_config
 from spotlight.parallel import SPContext, install_ulysses, ulysses_forward
 
 RECIPE = "configs/dit/tiny-shapes.yaml"

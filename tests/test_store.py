@@ -22,9 +22,11 @@ from pathlib import Path
 import pytest
 from s3_server import FAKE_KEY_ID, FAKE_SECRET, SECRETS, fake_aws_environment, moto_s3
 
-from spot.s3 import S3Options, S3Store, redact
+from spot.s3 import S3Options, S3Store
 from spot.store import LocalStore, open_store
-from spot.store_base import MANIFEST_NAME, IncompleteError, MissingKeyError, StoreError
+from spot.store_base import MANIFEST_NAME, IncompleteError
+from spotlight.core.aws import redact
+from spotlight.core.files import MissingKeyError, StoreError
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "spot-store-test"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from test_cli import tiny_overrides
 
-from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
 from spotlight.config import DiTRecipe
-from spotlight.config_io import load_config
-from spotlight.time_budget import IterationBudget, progress_total
-from spotlight.tracking import read_metrics
+from spotlight.core.checkpoint import load_checkpoint
+from spotlight.core.config_io import load_config
+from spotlight.core.time_budget import IterationBudget, progress_total
+from spotlight.core.tracking import read_metrics
 
 
 class FakeClock:
@@ -118,7 +118,7 @@ def test_train_stops_before_the_iteration_that_would_overrun(tiny_model_dir, tmp
 
 
 def test_lr_cooldown_falls_linearly_over_the_end_of_the_budget():
-    from spotlight.optim import lr_cooldown_scale
+    from spotlight.core.optim import lr_cooldown_scale
 
     assert [lr_cooldown_scale(f, 0.2, 0.1) for f in (0.0, 0.5, 0.8)] == [1.0, 1.0, 1.0]
     assert lr_cooldown_scale(0.9, 0.2, 0.1) == pytest.approx(0.55)
@@ -130,7 +130,7 @@ def test_lr_cooldown_falls_linearly_over_the_end_of_the_budget():
 def test_warmup_and_cooldown_multiply():
     import torch
 
-    from spotlight.optim import apply_lr_schedule
+    from spotlight.core.optim import apply_lr_schedule
 
     w = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.AdamW([w], lr=1.0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from spotlight.tracking import Tracker, image_grid, labelled_grid, read_metrics, save_image_grid
+from spotlight.core.tracking import Tracker, image_grid, labelled_grid, read_metrics, save_image_grid
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +113,7 @@ def test_disabled_mode_never_imports_wandb(tmp_path):
     """A fresh interpreter: training with wandb off neither needs nor loads the package."""
     code = (
         "import sys, torch\n"
-        "from spotlight.tracking import Tracker\n"
+        "from spotlight.core.tracking import Tracker\n"
         f"with Tracker({str(tmp_path)!r}, project='p', run_name='n', mode='disabled', config={{}}) as t:\n"
         "    t.log({'x': 1}, step=0)\n"
         "    t.log_images('samples/eval', torch.rand(2, 3, 8, 8), ['a', 'b'], step=0, nrow=2)\n"

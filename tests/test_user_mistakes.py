@@ -17,9 +17,9 @@ import pytest
 import torch
 from test_cli import tiny_overrides
 
-from spotlight.checkpoint import save_checkpoint
 from spotlight.cli import main
-from spotlight.runlock import RunLock
+from spotlight.core.checkpoint import save_checkpoint
+from spotlight.core.runlock import RunLock
 
 
 @dataclass

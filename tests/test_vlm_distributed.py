@@ -1,4 +1,4 @@
-"""Data-parallel VLM training (vlm.train with spotlight.distributed): 2 real gloo processes against 1.
+"""Data-parallel VLM training (vlm.train with spotlight.core.distributed): 2 real gloo processes against 1.
 
 The end-to-end test launches `spotlight vlm train` with `accelerate launch` and the shipped 2-process
 CPU config, for both schedules, and compares it with a single process on the same global batch and
@@ -19,11 +19,11 @@ import torch
 import torch.multiprocessing as mp
 from launch import cpu_fsdp_config, free_port, launch
 
-from spotlight.checkpoint import load_checkpoint
 from spotlight.cli import main
-from spotlight.config_io import load_config
-from spotlight.distributed import DataParallel
-from spotlight.tracking import read_metrics
+from spotlight.core.checkpoint import load_checkpoint
+from spotlight.core.config_io import load_config
+from spotlight.core.distributed import DataParallel
+from spotlight.core.tracking import read_metrics
 from vlm.config import VLMRecipe, WarmStartRecipe
 
 TASK = dict(grid_size=2, max_shapes=3, num_heldout=8)

@@ -68,7 +68,7 @@ def test_sampling_is_seeded_and_independent_of_batching(folder):
 def test_positions_computed_once_per_prompt_are_the_ones_generate_derives(folder):
     from transformers import GenerationConfig, LogitsProcessorList
 
-    from spotlight.sampling import derive_seed
+    from spotlight.core.seeds import derive_seed
 
     policy = VLMPolicy.load(folder)
     batch = _prompts(policy)

@@ -66,7 +66,7 @@ def test_training_stream_never_yields_a_heldout_example():
 
 
 def test_task_config_rejects_unknown_colors():
-    from spotlight.config_io import from_dict
+    from spotlight.core.config_io import from_dict
     from vlm.config import VLMRecipe
 
     with pytest.raises(ValueError, match="colors"):

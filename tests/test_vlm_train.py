@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from spot.cost import read_ledger
-from spotlight.checkpoint import load_checkpoint
-from spotlight.config_io import load_config
+from spotlight.core.checkpoint import load_checkpoint
+from spotlight.core.config_io import load_config
+from spotlight.core.cost import read_ledger
 from vlm.config import VLMRecipe, WarmStartRecipe
 from vlm.policy import VLMPolicy
 from vlm.train import run_training
@@ -96,7 +96,7 @@ def test_a_grpo_step_changes_trained_weights_and_keeps_frozen_ones(base, tmp_pat
 
 
 def test_a_second_vlm_trainer_on_one_run_dir_refuses(base, tmp_path):
-    from spotlight.runlock import RunDirBusy, RunLock
+    from spotlight.core.runlock import RunDirBusy, RunLock
 
     run = tmp_path / "run"
     with RunLock(run, "spotlight vlm train"):
@@ -251,7 +251,7 @@ def test_vision_pretraining_needs_one_token_per_cell(tmp_path):
 
 
 def test_skipping_the_old_pass_on_policy_changes_nothing(base):
-    from spotlight.sampling import derive_seed
+    from spotlight.core.seeds import derive_seed
     from vlm.policy import load_policy, trainable_state
     from vlm.rollout import HFRolloutEngine
     from vlm.task import TrainStream, example_image
@@ -279,7 +279,7 @@ def test_skipping_the_old_pass_on_policy_changes_nothing(base):
 def test_lr_warmup_ramps_and_resumes_from_the_optimizer_state(base):
     """train.lr_warmup_steps: step k (from 1) at lr * min(1, k / W); an optimizer loading the state
     continues the ramp. 6 rows in minibatches of 2: 3 optimizer steps per update."""
-    from spotlight.sampling import derive_seed
+    from spotlight.core.seeds import derive_seed
     from vlm.policy import load_policy
     from vlm.rollout import HFRolloutEngine
     from vlm.task import TrainStream, example_image
@@ -349,7 +349,7 @@ def test_new_train_fields_default_off_and_are_validated():
 
 @pytest.mark.parametrize("schedule", ["serial", "rollplex"])
 def test_the_learning_rate_cools_down_over_the_end_of_the_run(base, tmp_path, schedule):
-    # The DiT trainer's cooldown (spotlight.optim.run_cooldown_scale). A host that finishes
+    # The DiT trainer's cooldown (spotlight.core.optim.run_cooldown_scale). A host that finishes
     # num_iterations well within the time budget cools down over the last lr_cooldown of the
     # iterations: progress after iteration k of 4 is k/4, so with lr_cooldown 0.5 and floor 0.1
     # the factors are 1, 1, 0.55, 0.1, and the last optimizer step ran at a tenth of train.lr.

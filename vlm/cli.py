@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -25,25 +26,11 @@ def export_vlm_checkpoint(ckpt, to: str, fmt: str, *, weights: str, force: bool)
     return export_vlm(ckpt, to, fmt, weights=weights, force=force)
 
 
-def recipe_kinds() -> list[tuple[type, str]]:
-    """Every recipe class with the command it is for (`config_io.check_recipe_kind`); here, not in
-    spotlight/, because spotlight/ may not import vlm/ (tests/test_layers.py)."""
-    from spotlight.config import DiTRecipe, PretrainConfig
-    from vlm.config import VLMRecipe, WarmStartRecipe
-
-    return [
-        (DiTRecipe, "spotlight train"),
-        (PretrainConfig, "spotlight pretrain"),
-        (VLMRecipe, "spotlight vlm train"),
-        (WarmStartRecipe, "spotlight vlm warmstart"),
-    ]
-
-
 def _load(cls, args: argparse.Namespace):
-    from spotlight.config_io import check_recipe_kind, load_config
+    from spotlight.core.config_io import check_recipe_kind, load_config
 
     recipe, overrides = _split_recipe(args.items)
-    kinds = recipe_kinds()
+    kinds = args.recipe_kinds()
     check_recipe_kind(recipe, cls, next(c for k, c in kinds if k is cls), [(k, c) for k, c in kinds if k is not cls])
     return load_config(cls, recipe, overrides)
 
@@ -69,7 +56,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from spotlight.checkpoint import expect_kind, load_checkpoint
+    from spotlight.core.checkpoint import expect_kind, load_checkpoint
     from vlm.config import VLMRecipe
     from vlm.evaluate import evaluate
     from vlm.policy import load_policy, load_trainable_state
@@ -99,7 +86,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from spotlight.config_io import describe, dump_yaml
+    from spotlight.core.config_io import describe, dump_yaml
     from vlm.config import VLMRecipe, WarmStartRecipe
 
     cls = WarmStartRecipe if args.warmstart else VLMRecipe
@@ -107,8 +94,12 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_subcommands(subparsers) -> argparse.ArgumentParser:
-    """Add the `vlm` command (with its own subcommands) to an argparse subparsers object."""
+def add_subcommands(subparsers, recipe_kinds: Callable[[], list[tuple[type, str]]]) -> argparse.ArgumentParser:
+    """Add the `vlm` command (with its own subcommands) to an argparse subparsers object.
+
+    `recipe_kinds()` lists every recipe class with the command it is for, the DiT ones included
+    (`spotlight.cli.recipe_kinds`): a DiT recipe given to a VLM command fails naming its command.
+    """
     vlm = subparsers.add_parser(
         "vlm", help="VLM GRPO (Qwen2.5-VL / Qwen3-VL).", description="VLM GRPO (Qwen2.5-VL / Qwen3-VL)."
     )
@@ -119,7 +110,7 @@ def add_subcommands(subparsers) -> argparse.ArgumentParser:
         p.add_argument(
             "items", nargs="*", metavar="[RECIPE] [key=value ...]", help="recipe YAML, then dotted overrides"
         )
-        p.set_defaults(fn=fn)
+        p.set_defaults(fn=fn, recipe_kinds=recipe_kinds)
         return p
 
     p = command(

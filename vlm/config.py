@@ -4,7 +4,7 @@
 out, and turns on `train.refill_prompts`, off by default): GRPO on the shapes question task, starting from the
 warm-started tiny Qwen2.5-VL that
 `WarmStartRecipe` (`configs/vlm/tiny-warmstart.yaml`) builds. Recipes are loaded with
-`spotlight.config_io.load_config`; dotted command-line overrides (`train.lr=1e-4`) win.
+`spotlight.core.config_io.load_config`; dotted command-line overrides (`train.lr=1e-4`) win.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from spot.cost import CostConfig
+from spotlight.core.cost import CostConfig
 
 COLOR_RGB = {
     "red": (220, 40, 40),

@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 
-from spotlight.distributed import DataParallel
+from spotlight.core.distributed import DataParallel
 from vlm.config import TaskConfig
 from vlm.policy import VLMPolicy
 from vlm.rewards import accuracy_reward, format_reward

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spotlight.checkpoint import Checkpoint
-from spotlight.export import prepare_out, rebuild_policy
+from spotlight.core.checkpoint import Checkpoint
+from spotlight.core.export import prepare_out, rebuild_policy
 
 VLM_FORMATS = ("transformers", "peft")
 

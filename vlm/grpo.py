@@ -15,7 +15,7 @@ References:
 - DAPO Eq. 8: token-level aggregation (every token of the batch weighs the same), against
   GRPO's per-sequence mean, which lets a long response's tokens weigh less than a short one's.
 
-Group advantages are the DiT path's `spotlight.grpo.group_advantages` (the same math: one
+Group advantages are the core's `spotlight.core.advantages.group_advantages` (the same math: one
 scalar per response, broadcast to its tokens here).
 """
 
@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 
-from spotlight.grpo import Advantages, group_advantages
+from spotlight.core.advantages import Advantages, group_advantages
 
 __all__ = ["Advantages", "aggregate", "clipped_surrogate", "group_advantages", "grpo_token_loss", "k3_kl"]
 

@@ -6,7 +6,7 @@ a bytes per activation element, b rows per micro-batch, P prompts per iteration.
 
 The model is built from its config on the meta device (`AutoModelForImageTextToText`, as
 `VLMPolicy.load` loads it), or from the published Qwen2.5-VL-7B / 32B architecture when the folder is
-absent (`spotlight.memory_plan.qwen2_5_vl_config`). The LoRA adapter is added with peft's `get_peft_model`,
+absent (`spotlight.core.memory_plan.qwen2_5_vl_config`). The LoRA adapter is added with peft's `get_peft_model`,
 as `VLMPolicy.add_lora` does: it keeps fp32 adapters on a bf16 model (peft's autocast_adapter_dtype).
 
 Saved bytes per token of one decoder layer (transformers' Qwen2.5-VL; k and v are repeated to
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from spotlight.memory_plan import (
+from spotlight.core.memory_plan import (
     DTYPE_BYTES,
     Layout,
     Plan,
@@ -297,7 +297,7 @@ def vlm_roles(cfg, m: VLMModel, layout: Layout, prompt_tokens: int, patches: int
 
 def plan_vlm(recipe: str, overrides: list[str], gpus: int, gpu_mem_gib: float) -> Plan:
     """The VLM plan: roles, sources and suggestions."""
-    from spotlight.config_io import load_config
+    from spotlight.core.config_io import load_config
     from vlm.config import VLMRecipe
 
     cfg = load_config(VLMRecipe, recipe, overrides)

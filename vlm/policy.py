@@ -262,9 +262,9 @@ def token_logprobs(
 def load_policy(model_cfg, *, trainable: bool = True, seed: int | None = None) -> VLMPolicy:
     """The recipe's policy: LoRA or full fine-tuning, vision tower trained or frozen.
 
-    `seed` (the run's `train.seed`) seeds a LoRA adapter's initial weights (`spotlight.policy.seeded_init`).
+    `seed` (the run's `train.seed`) seeds a LoRA adapter's initial weights (`spotlight.core.seeds.seeded_init`).
     """
-    from spotlight.policy import seeded_init
+    from spotlight.core.seeds import seeded_init
 
     policy = VLMPolicy.load(model_cfg.path, dtype=model_cfg.dtype, device=model_cfg.device)
     if model_cfg.lora_rank:

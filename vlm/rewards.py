@@ -14,9 +14,10 @@ import difflib
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
+
+from spotlight.core.rewards import RewardResult
 
 TextRewardFn = Callable[[list[str], list[str]], torch.Tensor]
 """fn(responses, answers) -> float32 scores (B,)."""
@@ -73,16 +74,6 @@ def format_reward(responses: list[str], answers: list[str]) -> torch.Tensor:
 
 REWARDS: dict[str, TextRewardFn] = {"accuracy": accuracy_reward, "numeric": numeric_reward, "format": format_reward}
 """Registered answer rewards by name."""
-
-
-@dataclass
-class RewardResult:
-    """Scores of one batch; float32 on the CPU."""
-
-    total_B: torch.Tensor
-    """(B,) weighted sum of the components."""
-    components: dict[str, torch.Tensor]
-    """(B,) unweighted scores of each reward by name."""
 
 
 class CombinedReward:

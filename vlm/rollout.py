@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from spotlight.sampling import derive_seed
+from spotlight.core.seeds import derive_seed
 from vlm.policy import PromptBatch, VLMPolicy, mask_banned
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from spotlight.sampling import derive_seed
+from spotlight.core.seeds import derive_seed
 from vlm.config import COLOR_RGB, QUESTION_TYPES, TaskConfig
 
 CELL_PX = 28

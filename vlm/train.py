@@ -10,7 +10,7 @@ each phase runs the whole model over [prompt, response] in turn, as veRL and TRL
 passes runs while the rollout decodes, and the later phases run only the response suffix; the
 losses and gradients are the serial ones up to float order.
 
-Data parallel (`accelerate launch` or `torchrun`, see `spotlight/distributed.py`), either schedule:
+Data parallel (`accelerate launch` or `torchrun`, see `spotlight/core/distributed.py`), either schedule:
 the global batch and its seeds are the one-process ones; each rank rolls out a contiguous slice of
 the P * G rows (a group may span two ranks; sample g of prompt p keeps its seed whatever the rank),
 the rewards are all-gathered before the group advantages, every rank walks the same global
@@ -43,10 +43,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from spot.cost import CostLedger
-from spotlight.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
-from spotlight.config_io import dump_yaml, save_config, to_dict
-from spotlight.distributed import (
+from spotlight.core.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
+from spotlight.core.config_io import dump_yaml, save_config, to_dict
+from spotlight.core.cost import CostLedger
+from spotlight.core.distributed import (
     DataParallel,
     gather_sharded_train_state,
     init_data_parallel,
@@ -55,16 +55,17 @@ from spotlight.distributed import (
     shard_module,
     torch_threads,
 )
-from spotlight.optim import run_cooldown_scale
-from spotlight.runlock import RunLock, remove_if_empty_run
-from spotlight.sampling import derive_seed
-from spotlight.time_budget import IterationBudget, progress_total
-from spotlight.tracking import Tracker
+from spotlight.core.optim import run_cooldown_scale
+from spotlight.core.rewards import gather_rewards
+from spotlight.core.runlock import RunLock, remove_if_empty_run
+from spotlight.core.seeds import derive_seed
+from spotlight.core.time_budget import IterationBudget, progress_total
+from spotlight.core.tracking import Tracker
 from vlm.config import VLMRecipe
 from vlm.evaluate import evaluate
 from vlm.grpo import group_advantages
 from vlm.policy import VLMPolicy, load_policy, load_trainable_state, response_logprobs, trainable_state
-from vlm.rewards import CombinedReward, RewardResult
+from vlm.rewards import CombinedReward
 from vlm.rollout import ENGINES, Rollout, RolloutEngine, prompts_of
 from vlm.rollplex import RollplexSchedule
 from vlm.task import TrainStream, example_image
@@ -204,15 +205,6 @@ def shard_policy(policy: VLMPolicy, dp: DataParallel, cfg: VLMRecipe) -> tuple[i
     return counts
 
 
-def gather_rewards(dp: DataParallel, local: RewardResult) -> RewardResult:
-    """The whole batch's rewards on every rank, from each rank's rewards of its rows (rank order)."""
-    if dp.world_size == 1:
-        return local
-    return RewardResult(
-        dp.all_gather_rows(local.total_B), {k: dp.all_gather_rows(v) for k, v in local.components.items()}
-    )
-
-
 def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, progress: bool = True) -> dict:
     """Post-train the policy of `cfg` with GRPO, writing config, metrics and checkpoints to run_dir."""
     # One process unless launched by accelerate/torchrun; then only rank 0 writes.
@@ -226,7 +218,7 @@ def run_training(cfg: VLMRecipe, run_dir: str | Path, *, resume: bool = True, pr
             try:
                 cfg.validate()  # before anything is written: a bad recipe leaves no run dir behind
                 lock = RunLock(run_dir, "spotlight vlm train")  # one writer per run directory
-                # The cost clock starts before anything loads (spot.cost); a launch of N processes holds N GPUs.
+                # The cost clock starts before anything loads (spotlight.core.cost); N processes hold N GPUs.
                 ledger = CostLedger(
                     run_dir, replace(cfg.cost, trainer_gpus=max(cfg.cost.trainer_gpus, dp.world_size)), resume=resume
                 )

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spotlight.distributed import DataParallel, swapped_shards
-from spotlight.optim import apply_lr_schedule
-from spotlight.sampling import derive_seed
+from spotlight.core.distributed import DataParallel, swapped_shards
+from spotlight.core.optim import apply_lr_schedule
+from spotlight.core.seeds import derive_seed
 from vlm.config import VLMRecipe
 from vlm.grpo import grpo_token_loss
 from vlm.policy import VLMPolicy, response_logprobs
@@ -145,7 +145,7 @@ def update(
     step (default `FullForward`; the Rollplex schedule passes its prefix + suffix scorer).
     `shard` places `ro` among the ranks' rows (default: one process, `ro` is the whole batch);
     `ro` None means this rank holds none of the rows but takes part in every gradient sum. `lr_scale`
-    multiplies the learning rate (the end-of-run cooldown, `spotlight.optim.run_cooldown_scale`).
+    multiplies the learning rate (the end-of-run cooldown, `spotlight.core.optim.run_cooldown_scale`).
 
     Returns the mean minibatch loss and gradient norm, and clip_frac, ratio_mean and kl_ref as
     token means over the whole update (every rank's tokens, whatever the micro-batching).

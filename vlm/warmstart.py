@@ -28,9 +28,9 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from spotlight.config_io import save_config
-from spotlight.distributed import torch_threads
-from spotlight.sampling import derive_seed
+from spotlight.core.config_io import save_config
+from spotlight.core.distributed import torch_threads
+from spotlight.core.seeds import derive_seed
 from vlm.config import WarmStartRecipe
 from vlm.evaluate import evaluate
 from vlm.policy import VLMPolicy, response_logprobs

@@ -4,7 +4,7 @@ It answers, before a launch, what a run costs and how fast it reaches its target
 (on-demand only, inline exploration, Spotlight, disaggregated rollout on spot), at any cluster
 size, on a real spot trace. It reuses the production pieces instead of modelling them: the pull
 queue (`spot.jobqueue.JobQueue`, on a virtual clock), the planners (`planners`), the trace readers
-(`spot.traces`) and the cost arithmetic (`spot.cost`).
+(`spot.traces`) and the cost arithmetic (`spotlight.core.cost`).
 
     profile.py    per-phase durations: built-in paper-scale profiles, or measured from a run
     engine.py     event loop, spot pool from a trace, workers through the real queue, SP groups

@@ -119,7 +119,7 @@ class PoolStats:
     cut_gpu_s: float = 0.0
     """GPU-seconds of exploration steps cut short by the end of a training step."""
     usage: list[list[float]] = field(default_factory=list)
-    """[[start_s, end_s, gpus], ...] held, for `spot.cost.cost_usd`."""
+    """[[start_s, end_s, gpus], ...] held, for `spotlight.core.cost.cost_usd`."""
 
 
 class Cluster:

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planners import Observation, RewardTable, build_planner, captured_variance, prompt_family
-from spot.cost import cost_usd
 from spot.jobqueue import Job
 from spot.sim.engine import Cluster, EventLoop
 from spot.sim.profile import Profile
 from spot.traces import Trace
+from spotlight.core.cost import cost_usd
 
 POLICIES = ("ondemand", "inline", "spotlight", "disaggregated")
 

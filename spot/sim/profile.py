@@ -26,9 +26,9 @@ from pathlib import Path
 
 import yaml
 
-from spot.files import read_jsonl
+from spotlight.core.files import read_jsonl
 
-# The trainer writes its per-iteration metrics here (`spotlight.tracking.METRICS_FILE`). spot sits
+# The trainer writes its per-iteration metrics here (`spotlight.core.tracking.METRICS_FILE`). spot sits
 # below spotlight and may not import it, so the name is repeated; tests/test_simulator.py checks both agree.
 METRICS_FILE = "metrics.jsonl"
 

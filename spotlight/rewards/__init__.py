@@ -8,6 +8,6 @@ names; `register_reward(name)` adds a reward of one's own.
 """
 
 from spotlight.rewards import clip, geneval, jpeg, ocr, shapes  # noqa: F401 - importing registers them
-from spotlight.rewards.registry import REWARDS, CombinedReward, RewardResult, build_reward, register_reward
+from spotlight.rewards.registry import REWARDS, CombinedReward, build_reward, register_reward
 
-__all__ = ["REWARDS", "CombinedReward", "RewardResult", "build_reward", "register_reward"]
+__all__ = ["REWARDS", "CombinedReward", "build_reward", "register_reward"]

@@ -20,9 +20,10 @@ import inspect
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
+
+from spotlight.core.rewards import RewardResult
 
 logger = logging.getLogger(__name__)
 
@@ -71,18 +72,6 @@ def _unknown_name_error(kind: str, name: str, known: list[str]) -> ValueError:
 
 def _option_names(factory: RewardFactory) -> set[str]:
     return set(inspect.signature(factory).parameters)
-
-
-@dataclass
-class RewardResult:
-    """Scores of one batch; every tensor is float32 on the CPU."""
-
-    total_B: torch.Tensor
-    """(B,) weighted sum of the components; NaN where any component failed for that sample."""
-    components: dict[str, torch.Tensor]
-    """(B,) unweighted scores of each reward by name; NaN where it failed."""
-    num_failed: int
-    """Number of samples whose total is NaN."""
 
 
 class CombinedReward:

@@ -33,7 +33,7 @@ def lr_cooldown_scale(progress: float, cooldown: float, floor: float) -> float:
 
 def run_cooldown_scale(budget, iterations_done: int, num_iterations: int, cooldown: float, floor: float) -> float:
     """The cooldown factor after `iterations_done` iterations of a run with a time budget
-    (`spotlight.time_budget.IterationBudget`) and `num_iterations`: its progress is the larger of
+    (`spotlight.core.time_budget.IterationBudget`) and `num_iterations`: its progress is the larger of
     the budget used and iterations_done / num_iterations, so a host fast enough to finish
     num_iterations within the budget runs the same schedule, iteration for iteration, whatever its
     speed. Without a time budget (0 minutes) there is no cooldown: 1."""

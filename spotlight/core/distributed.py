@@ -43,8 +43,7 @@ from typing import Any
 
 import torch
 
-from spotlight.checkpoint import Checkpoint, CheckpointError, load_checkpoint, newest_intact_checkpoint
-from spotlight.rewards import RewardResult
+from spotlight.core.checkpoint import Checkpoint, CheckpointError, load_checkpoint, newest_intact_checkpoint
 
 
 @contextmanager
@@ -339,27 +338,7 @@ def load_resume_checkpoint(dp: DataParallel, run_dir: str | os.PathLike, resume:
     return ckpt
 
 
-def gather_rewards(dp: DataParallel, local: RewardResult) -> RewardResult:
-    """The rewards of the whole batch on every rank, from each rank's rewards of its slice."""
-    if dp.world_size == 1:
-        return local
-    total_B = dp.all_gather_rows(local.total_B)
-    components = {name: dp.all_gather_rows(value) for name, value in local.components.items()}
-    return RewardResult(total_B, components, num_failed=int(torch.isnan(total_B).sum()))
-
-
 # -- FSDP: sharding the transformer ---------------------------------------------------------------
-
-
-def shard_transformer(policy, dp: DataParallel) -> tuple[int, int]:
-    """Shard the DiT policy's transformer in place (`shard_module`); returns (local, full) parameter counts.
-
-    Activation checkpointing is diffusers' own checkpointing of each block's forward: the parameter
-    names stay those of the one-process model (a checkpoint_wrapper would insert
-    `_checkpoint_wrapped_module.`).
-    """
-    tr = policy.transformer
-    return shard_module(tr, dp, enable_checkpointing=tr.enable_gradient_checkpointing, hint="QwenImageTransformerBlock")
 
 
 def shard_module(
@@ -552,40 +531,3 @@ def load_sharded_train_state(
     for name, p in zip(names, (p for group in optimizer.param_groups for p in group["params"])):
         if name not in saved:
             optimizer.state.pop(p, None)
-
-
-def gather_trainable_weights(dp: DataParallel, policy) -> dict[str, torch.Tensor] | None:
-    """The DiT policy's `trainable_state` dict (full tensors) on rank 0, None on the others.
-
-    Under FSDP every rank must call this (`gather_sharded_weights`, a copy on rank 0's CPU); without
-    FSDP it is rank 0's live state.
-    """
-    from spotlight.policy import trainable_state
-
-    if not dp.sharded:
-        return trainable_state(policy) if dp.is_main else None
-    return gather_sharded_weights(dp, policy.transformer, policy.has_lora)
-
-
-def gather_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
-    """The DiT policy's (trainable weights, optimizer state) in the one-process layout on rank 0,
-    None on the others; under FSDP every rank must call this (`gather_sharded_train_state`).
-    """
-    from spotlight.policy import trainable_state
-
-    if not dp.sharded:
-        return (trainable_state(policy), optimizer.state_dict()) if dp.is_main else None
-    return gather_sharded_train_state(dp, policy.transformer, policy.has_lora, optimizer)
-
-
-def load_train_state(
-    dp: DataParallel, policy, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict
-) -> None:
-    """Load `gather_train_state`'s layout (a checkpoint) into the DiT policy and optimizer; a collective under FSDP."""
-    from spotlight.policy import load_trainable_state
-
-    if not dp.sharded:
-        load_trainable_state(policy, weights)
-        optimizer.load_state_dict(optim_state)
-        return
-    load_sharded_train_state(dp, policy.transformer, policy.has_lora, optimizer, weights, optim_state)

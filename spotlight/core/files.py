@@ -1,8 +1,9 @@
-"""Small filesystem helpers: fsync for checkpoints (`spotlight.checkpoint`), the store
-(`spot.store`, `spot.store_base`) and the cost ledger (`spot.cost`); a JSON-lines reader for a
-run's metrics (`spotlight.tracking`, `spot.sim.profile`).
+"""Small filesystem helpers: fsync for checkpoints (`spotlight.core.checkpoint`), the store
+(`spot.store`, `spot.store_base`) and the cost ledger (`spotlight.core.cost`); a JSON-lines reader for a
+run's metrics (`spotlight.core.tracking`, `spot.sim.profile`); the errors a store raises, which the
+run lock (`spotlight.core.runlock`) catches.
 
-They live in `spot`, the lower layer, so that both `spot` and `spotlight` can use them.
+They live in the core, the lowest layer, so that every package can use them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,14 @@ import os
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+
+class StoreError(RuntimeError):
+    """A store operation failed; the message names the URL of the object and the cause."""
+
+
+class MissingKeyError(StoreError):
+    """The object does not exist."""
 
 
 def fsync_path(path: Path) -> None:

@@ -1,6 +1,7 @@
 """What a run's GPUs cost: GPU-seconds per pool times the price in effect when they were used.
 
-Two pools, named as in `spot.localray`: `on_demand` (the trainer's node) and `spot` (explorers).
+Two pools, `ON_DEMAND` (the trainer's node) and `SPOT` (explorers), named as the Ray resources
+that `spot.localray` gives the nodes.
 The driver calls `CostLedger.charge` once per iteration; it charges the wall time since the
 previous call to both pools and saves the ledger atomically to `cost.json` in the run directory:
 
@@ -8,7 +9,7 @@ previous call to both pools and saves the ledger atomically to `cost.json` in th
                 rollouts, updates, checkpoints, evaluation: the node is paid for all of it).
     spot        the GPUs *held*, not the GPUs busy: a spot node costs while it is up, whether its
                 explorer samples, waits for the next job or still loads the model. The count is the
-                `spot` resource of the Ray cluster (`spot_gpus_held`; configs/cluster/aws-spot.yaml
+                `spot` resource of the Ray cluster (`spot.localray.spot_gpus_held`; configs/cluster/aws-spot.yaml
                 gives a spot node one unit per GPU, the local CPU cluster one per node), sampled at
                 each charge and applied to the whole interval since the previous one. How busy the
                 explorers were is `explore/utilisation` in the metrics.
@@ -48,8 +49,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from spot.files import fsync_path
-from spot.localray import ON_DEMAND, SPOT
+from spotlight.core.files import fsync_path
+
+SPOT, ON_DEMAND = "spot", "on_demand"
+"""The two pools: spot nodes (explorers, rollout workers) and the on-demand trainer; also the names
+of the Ray resources that mark them (`spot.localray`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +201,7 @@ def ec2_client(region: str) -> Any:
     import boto3
     from botocore.config import Config
 
-    from spot.s3 import install_log_redaction
+    from spotlight.core.aws import install_log_redaction
 
     install_log_redaction()  # botocore's DEBUG request dumps carry the access key id
     config = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=20)
@@ -476,10 +480,3 @@ class CostLedger:
             logger.warning("%s; keeping the last known spot price", e)
             return
         self._set_prices(SPOT, self._history_source, steps, now)
-
-
-def spot_gpus_held() -> int:
-    """Units of the `spot` resource in the connected Ray cluster: the spot GPUs held right now."""
-    import ray
-
-    return int(ray.cluster_resources().get(SPOT, 0))

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from spot.files import fsync_path
+from spotlight.core.files import fsync_path
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from types import TracebackType
 import torch
 from PIL import Image
 
-from spot.files import read_jsonl, read_jsonl_cut_off
+from spotlight.core.files import read_jsonl, read_jsonl_cut_off
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_id.txt"

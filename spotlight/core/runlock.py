@@ -189,7 +189,7 @@ class RunLock:
     # -- store --------------------------------------------------------------------------------
 
     def _read_store(self) -> dict:
-        from spot.store_base import MissingKeyError
+        from spotlight.core.files import MissingKeyError
 
         try:
             record = json.loads(self.store.get_bytes(STORE_LEASE).decode("utf-8"))

@@ -1,0 +1,64 @@
+"""The DiT policy under data parallelism and FSDP: its transformer sharded, its training state
+gathered to rank 0 in the one-process layout and loaded back (a checkpoint's). The pieces both
+paths share (process groups, `shard_module`, the sharded gathers) are `spotlight.core.distributed`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spotlight.core.distributed import (
+    DataParallel,
+    gather_sharded_train_state,
+    gather_sharded_weights,
+    load_sharded_train_state,
+    shard_module,
+)
+
+
+def shard_transformer(policy, dp: DataParallel) -> tuple[int, int]:
+    """Shard the DiT policy's transformer in place (`shard_module`); returns (local, full) parameter counts.
+
+    Activation checkpointing is diffusers' own checkpointing of each block's forward: the parameter
+    names stay those of the one-process model (a checkpoint_wrapper would insert
+    `_checkpoint_wrapped_module.`).
+    """
+    tr = policy.transformer
+    return shard_module(tr, dp, enable_checkpointing=tr.enable_gradient_checkpointing, hint="QwenImageTransformerBlock")
+
+
+def gather_trainable_weights(dp: DataParallel, policy) -> dict[str, torch.Tensor] | None:
+    """The DiT policy's `trainable_state` dict (full tensors) on rank 0, None on the others.
+
+    Under FSDP every rank must call this (`gather_sharded_weights`, a copy on rank 0's CPU); without
+    FSDP it is rank 0's live state.
+    """
+    from spotlight.policy import trainable_state
+
+    if not dp.sharded:
+        return trainable_state(policy) if dp.is_main else None
+    return gather_sharded_weights(dp, policy.transformer, policy.has_lora)
+
+
+def gather_train_state(dp: DataParallel, policy, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
+    """The DiT policy's (trainable weights, optimizer state) in the one-process layout on rank 0,
+    None on the others; under FSDP every rank must call this (`gather_sharded_train_state`).
+    """
+    from spotlight.policy import trainable_state
+
+    if not dp.sharded:
+        return (trainable_state(policy), optimizer.state_dict()) if dp.is_main else None
+    return gather_sharded_train_state(dp, policy.transformer, policy.has_lora, optimizer)
+
+
+def load_train_state(
+    dp: DataParallel, policy, optimizer: torch.optim.Optimizer, weights: dict, optim_state: dict
+) -> None:
+    """Load `gather_train_state`'s layout (a checkpoint) into the DiT policy and optimizer; a collective under FSDP."""
+    from spotlight.policy import load_trainable_state
+
+    if not dp.sharded:
+        load_trainable_state(policy, weights)
+        optimizer.load_state_dict(optim_state)
+        return
+    load_sharded_train_state(dp, policy.transformer, policy.has_lora, optimizer, weights, optim_state)
