@@ -58,7 +58,7 @@ def build(folder: Path, args) -> VLMRecipe:
         f"task.grid_size={args.grid_size}",
         "task.max_shapes=4",
         f"train.prompts_per_iteration={args.prompts}",
-        f"rollout.group_size={args.group_size}",
+        f"train.group_size={args.group_size}",
         f"rollout.max_new_tokens={args.max_new_tokens}",
         "train.beta=0.04",
         "log.wandb_mode=disabled",
@@ -94,7 +94,7 @@ class Runner:
         self.prompts = self.policy.encode(
             [e.question for e in examples], [example_image(e, cfg.task) for e in examples]
         )
-        self.adv_B = torch.randn(P * cfg.rollout.group_size, generator=torch.Generator().manual_seed(2))
+        self.adv_B = torch.randn(P * cfg.train.group_size, generator=torch.Generator().manual_seed(2))
 
     def step(self, ledger: TensorLedger | None = None) -> dict:
         import contextlib
@@ -201,7 +201,7 @@ def main() -> None:
                 },
                 "setup": {
                     "prompts": P,
-                    "group_size": cfg.rollout.group_size,
+                    "group_size": cfg.train.group_size,
                     "grid_size": args.grid_size,
                     "hidden": args.hidden,
                     "layers": args.layers,

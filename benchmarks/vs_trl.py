@@ -94,7 +94,7 @@ def build(folder: Path, args) -> VLMRecipe:
         f"task.grid_size={args.grid_size}",
         "task.max_shapes=4",
         f"train.prompts_per_iteration={args.prompts}",
-        f"rollout.group_size={args.group_size}",
+        f"train.group_size={args.group_size}",
         f"rollout.max_new_tokens={args.max_new_tokens}",
         "rollout.temperature=1.0",
         f"train.beta={args.beta}",
@@ -134,7 +134,7 @@ class Ours:
         self.lengths: list[float] = []
 
     def step(self, it: int) -> dict[str, float]:
-        cfg, G = self.cfg, self.cfg.rollout.group_size
+        cfg, G = self.cfg, self.cfg.train.group_size
         t0 = time.perf_counter()
         examples = examples_of(cfg, it)
         prompts = self.policy.encode([e.question for e in examples], [example_image(e, cfg.task) for e in examples])
@@ -185,7 +185,7 @@ def make_trl(cfg: VLMRecipe, steps: int, out: Path, callbacks, banned: list[int]
     from transformers import AutoModelForImageTextToText
     from trl import GRPOConfig, GRPOTrainer
 
-    tc, PG = cfg.train, cfg.train.prompts_per_iteration * cfg.rollout.group_size
+    tc, PG = cfg.train, cfg.train.prompts_per_iteration * cfg.train.group_size
     model = AutoModelForImageTextToText.from_pretrained(cfg.model.path, dtype=torch.float32)
     model.model.visual.requires_grad_(False)  # frozen, as model.train_vision=false freezes ours
     args = GRPOConfig(
@@ -198,7 +198,7 @@ def make_trl(cfg: VLMRecipe, steps: int, out: Path, callbacks, banned: list[int]
         per_device_train_batch_size=PG,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
-        num_generations=cfg.rollout.group_size,
+        num_generations=cfg.train.group_size,
         num_iterations=1,
         max_steps=steps,
         max_completion_length=cfg.rollout.max_new_tokens,

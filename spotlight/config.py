@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from planners.families import prompt_family
+from spotlight.core.config import LogSettings, TrainSettings
 from spotlight.core.cost import CostConfig
 
 
@@ -144,48 +145,30 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
-    """GRPO optimisation."""
+class TrainConfig(TrainSettings):
+    """GRPO optimisation (the shared settings: `spotlight.core.config.TrainSettings`)."""
 
     num_iterations: int = 1000
     """Rollout + update iterations, at most. The tiny recipe's cap is one no 2-core host reaches within
     `max_minutes` (about 140-220 iterations there), so its time budget ends the run on any host."""
-    prompts_per_iteration: int = 16
-    """Prompts sampled per iteration."""
     group_size: int = 16
-    """Seeds per prompt (G): the GRPO group."""
     lr: float = 3e-4
     """AdamW learning rate (tiny full fine-tune: 3e-4 for "nft" with 4 noise levels and 20 warm-up steps; "flow_grpo"
     needs 3e-5)."""
     lr_warmup_steps: int = 20
-    """Optimizer steps over which the learning rate ramps linearly up to lr (Adam's first steps are its largest); 0:
-    none."""
     lr_cooldown: float = 0.15
-    """The last fraction of the run over which the learning rate falls linearly to lr_cooldown_floor x lr; progress is
-    the larger of the time budget (train.max_minutes) used and the iterations done over num_iterations (0: none; also
-    none without a time budget)."""
-    lr_cooldown_floor: float = 0.1
-    """The learning-rate factor the cooldown ends at."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
     adam_beta2: float = 0.99
     """AdamW's second-moment decay: its horizon, about 1 / (1 - adam_beta2) optimizer steps, is how long a past
     gradient's size keeps scaling the steps down (0.99 for the ~200 steps of the tiny run, whose first gradients are
     5-10x the later ones; the real recipes keep 0.999)."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
+    clip_range: float = 0.2
+    """PPO ratio clip epsilon (Flow-GRPO uses 1e-4 at scale; the tiny model needs larger steps)."""
+    adv_std: Literal["group", "batch"] = "batch"
+    max_minutes: float = 14.25
     ema_decay: float = 0.0
     """Exponential moving average of the trainable weights, per optimizer step (0: off); checkpoints then hold it
     too and `spotlight eval`/`sample` use it (`--weights raw`: the trained ones). Rollouts always use the trained
     weights."""
-    clip_range: float = 0.2
-    """PPO ratio clip epsilon (Flow-GRPO uses 1e-4 at scale; the tiny model needs larger steps)."""
-    adv_clip: float = 5.0
-    """Clamp |advantage| to this."""
-    adv_std: Literal["group", "batch"] = "batch"
-    """Normalise advantages by the per-group or the whole-batch reward std (Flow-GRPO: batch)."""
-    beta: float = 0.0
-    """KL weight to the reference policy (LoRA disabled, or a frozen copy for full fine-tuning)."""
     objective: Literal["flow_grpo", "nft"] = "nft"
     """Policy objective: "flow_grpo" (clipped ratio of SDE step log-probs) or "nft" (DiffusionNFT
     forward-process loss)."""
@@ -209,35 +192,28 @@ class TrainConfig:
     """Compute dtype of the "nft" update's forwards and backward under torch.autocast (weights, gradients and optimizer
     stay in model.dtype). auto: bfloat16 on a CUDA GPU with bfloat16, none (float32) on a CPU, where it was measured
     barely faster (1.12x with AVX512-BF16) or slower (AMX)."""
-    num_inner_epochs: int = 1
-    """Passes over each iteration's rollouts."""
-    minibatch_size: int = 128
-    """Samples per optimizer step (gradients accumulate over the minibatch's trained steps or noise levels)."""
-    seed: int = 0
-    """Run seed: prompts, trajectory seeds and minibatch order derive from it."""
-    max_minutes: float = 14.25
-    """Training time budget: stop before an iteration predicted (the slowest of the last 5) to end after it; 0 = no
-    limit."""
-    num_threads: int = 0
-    """torch CPU threads; 0 keeps torch's default."""
     prefetch_prompts: bool = True
     """Encode the next iteration's prompts on a worker thread (a side CUDA stream on a GPU) while this iteration's
     rollout and update run; the same embeddings bit for bit, the encoder's time off the critical path
     (spotlight/prompt_cache.py; benchmarks/dit_prompt_prefix.py --prefetch measures it)."""
 
+    def validate(self) -> None:
+        super().validate()
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"train.ema_decay must be in [0, 1) (0: no moving average), got {self.ema_decay}")
+        if self.objective == "nft" and (self.nft_beta <= 0 or self.nft_adv_max <= 0 or self.nft_num_timesteps < 1):
+            raise ValueError(
+                "train.nft_beta and train.nft_adv_max must be > 0 and train.nft_num_timesteps >= 1, got "
+                f"{self.nft_beta}, {self.nft_adv_max}, {self.nft_num_timesteps}"
+            )
+
 
 @dataclass
-class LogConfig:
-    """Tracking and checkpoints."""
+class LogConfig(LogSettings):
+    """Tracking and checkpoints (the shared settings: `spotlight.core.config.LogSettings`)."""
 
-    wandb_project: str = "spotlight"
-    """wandb project name."""
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    """wandb mode; online needs `wandb login` (or WANDB_API_KEY)."""
     images_every: int = 10
     """Log an image grid every this many iterations, and at the end of the run (0: never)."""
-    checkpoint_every: int = 10
-    """Save a checkpoint every this many iterations (and at the end)."""
     keep_last: int = 3
     """Checkpoints kept on disk (and in the store)."""
     store_url: str = ""
@@ -486,8 +462,6 @@ class DiTRecipe:
         self.runtime.validate()
         self.parallel.validate()
         self.parallel.check_device(self.model.device)  # a recipe that names xfuser on CPU fails as it loads
-        if self.train.group_size < 2:
-            raise ValueError(f"train.group_size must be >= 2 for GRPO, got {self.train.group_size}")
         if self.explore.max_candidates and self.explore.max_candidates <= self.train.group_size:
             raise ValueError(
                 f"explore.max_candidates={self.explore.max_candidates} must be > "
@@ -512,28 +486,8 @@ class DiTRecipe:
             prompt_family(self.explore.planner_family)
         except ValueError as e:
             raise ValueError(f"explore.planner_family: {e}") from None
-        if not self.train.lr >= 0:  # 0 freezes the weights (a diagnostic: stale equals fresh)
-            raise ValueError(f"train.lr must be >= 0, got {self.train.lr}")
-        if self.train.weight_decay < 0:
-            raise ValueError(f"train.weight_decay must be >= 0, got {self.train.weight_decay}")
-        for name in ("num_iterations", "prompts_per_iteration", "minibatch_size"):
-            if getattr(self.train, name) < 1:
-                raise ValueError(f"train.{name} must be >= 1, got {getattr(self.train, name)}")
         if self.sample.guidance_scale < 1:
             raise ValueError(f"sample.guidance_scale must be >= 1 (1 disables CFG), got {self.sample.guidance_scale}")
-        if not 0 < self.train.adam_beta2 < 1:
-            raise ValueError(f"train.adam_beta2 must be in (0, 1), got {self.train.adam_beta2}")
-        if not 0 <= self.train.ema_decay < 1:
-            raise ValueError(f"train.ema_decay must be in [0, 1) (0: no moving average), got {self.train.ema_decay}")
-        if self.train.lr_warmup_steps < 0:
-            raise ValueError(f"train.lr_warmup_steps must be >= 0, got {self.train.lr_warmup_steps}")
-        if not 0 <= self.train.lr_cooldown < 1 or not 0 <= self.train.lr_cooldown_floor <= 1:
-            raise ValueError(
-                f"train.lr_cooldown must be in [0, 1) and train.lr_cooldown_floor in [0, 1], got "
-                f"{self.train.lr_cooldown}, {self.train.lr_cooldown_floor}"
-            )
-        if self.train.max_minutes < 0:
-            raise ValueError(f"train.max_minutes must be >= 0 (0: no limit), got {self.train.max_minutes}")
         if self.train.objective == "flow_grpo" and self.sample.noise_level <= 0:
             raise ValueError(
                 "train.objective 'flow_grpo' trains on the log-probs of stochastic steps, so sample.noise_level "
@@ -545,13 +499,6 @@ class DiTRecipe:
                     f"{name}={value!r} needs train.objective=nft: 'flow_grpo' compares the rollout's step log-probs "
                     "with the update's, which must come from the same float32 computation"
                 )
-        if self.train.objective == "nft" and (
-            self.train.nft_beta <= 0 or self.train.nft_adv_max <= 0 or self.train.nft_num_timesteps < 1
-        ):
-            raise ValueError(
-                "train.nft_beta and train.nft_adv_max must be > 0 and train.nft_num_timesteps >= 1, got "
-                f"{self.train.nft_beta}, {self.train.nft_adv_max}, {self.train.nft_num_timesteps}"
-            )
 
 
 @dataclass

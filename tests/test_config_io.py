@@ -440,3 +440,30 @@ def test_describe_lists_keys_types_defaults_docs():
     assert "train.lora.rank (int, default 8): LoRA rank." in lines
     assert ("train.reward_weights (dict[str, float], default {aesthetic: 1.0}): Weight of each reward model.") in lines
     assert "path (str, required): Where the data lives." in describe(Required).splitlines()
+
+
+def test_the_shared_sections_give_one_name_per_setting_and_moved_keys_name_their_new_place(tmp_path):
+    from spotlight.config import DiTRecipe
+    from spotlight.core.config import LogSettings, TrainSettings
+    from vlm.config import VLMRecipe
+
+    shared = {f.name for f in dataclasses.fields(TrainSettings)}
+    for recipe in (DiTRecipe(), VLMRecipe()):
+        assert isinstance(recipe.train, TrainSettings) and isinstance(recipe.log, LogSettings)
+        assert shared <= {f.name for f in dataclasses.fields(recipe.train)}
+    # The shared checks run on both paths, under the same key.
+    for cls in (DiTRecipe, VLMRecipe):
+        with pytest.raises(ValueError, match=r"train\.group_size must be >= 2"):
+            load_config(cls, None, ["train.group_size=1"])
+        with pytest.raises(ValueError, match=r"train\.adam_beta2 must be in \(0, 1\)"):
+            load_config(cls, None, ["train.adam_beta2=1.0"])
+    # A subclass that only changes a default keeps the shared docstring.
+    assert field_docs(VLMRecipe)["train.group_size"] == field_docs(DiTRecipe)["train.group_size"]
+    assert load_config(VLMRecipe, None, ["train.group_size=4"]).train.group_size == 4
+    # The VLM group size was rollout.group_size: a recipe or an override with it fails naming the new key.
+    with pytest.raises(ValueError, match=r"command line: 'rollout\.group_size' is now 'train\.group_size'"):
+        load_config(VLMRecipe, None, ["rollout.group_size=4"])
+    old = tmp_path / "old.yaml"
+    old.write_text("rollout:\n  group_size: 4\n")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(old))}: 'rollout\.group_size' is now 'train\.group_size'"):
+        load_config(VLMRecipe, old)

@@ -284,7 +284,7 @@ def test_vlm_plan_matches_a_measured_training_step(case, tiny_vlm):
 
     overrides = [f"model.path={tiny_vlm}", *VLM_CASES[case]]
     cfg = load_config(VLMRecipe, VLM_RECIPE, overrides)
-    tc, P, G = cfg.train, cfg.train.prompts_per_iteration, cfg.rollout.group_size
+    tc, P, G = cfg.train, cfg.train.prompts_per_iteration, cfg.train.group_size
     torch.manual_seed(0)
     policy = load_policy(cfg.model)
     engine = ENGINES[cfg.rollout.engine](policy, batch_size=cfg.rollout.batch_size)

@@ -184,7 +184,7 @@ def test_vlm_recipe_runs_one_step(tmp_path):
         "model.dtype=float32",
         "model.device=cpu",
         "train.prompts_per_iteration=2",
-        "rollout.group_size=2",
+        "train.group_size=2",
         "rollout.max_new_tokens=4",
         "train.minibatch_size=4",
         "train.micro_batch_size=2",

@@ -38,7 +38,7 @@ def _recipe(folder, *overrides: str) -> VLMRecipe:
     tiny = [
         f"model.path={folder}",
         f"train.prompts_per_iteration={P}",
-        f"rollout.group_size={G}",
+        f"train.group_size={G}",
         "rollout.max_new_tokens=4",
         "train.micro_batch_size=4",
         "log.wandb_mode=disabled",

@@ -63,7 +63,7 @@ def dp_overrides(base: Path, iterations: int) -> list[str]:
     return [
         f"model.path={base}",
         "train.prompts_per_iteration=3",
-        "rollout.group_size=4",
+        "train.group_size=4",
         "rollout.max_new_tokens=4",
         "rollout.batch_size=6",
         "train.num_inner_epochs=2",
@@ -186,7 +186,7 @@ def _update_first_group_only(dp: DataParallel, base: str, schedule: str) -> list
         [
             f"model.path={base}",
             f"train.prompts_per_iteration={P}",
-            f"rollout.group_size={G}",
+            f"train.group_size={G}",
             "rollout.max_new_tokens=4",
             "train.num_inner_epochs=2",
             "train.minibatch_size=2",

@@ -49,7 +49,7 @@ def _recipe(base: Path, *overrides: str) -> VLMRecipe:
     tiny = [
         f"model.path={base}",
         "train.prompts_per_iteration=2",
-        "rollout.group_size=3",
+        "train.group_size=3",
         "rollout.max_new_tokens=4",
         "train.lr=1e-2",
         "log.wandb_mode=disabled",

@@ -10,8 +10,9 @@ warm-started tiny Qwen2.5-VL that
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
+from spotlight.core.config import LogSettings, TrainSettings
 from spotlight.core.cost import CostConfig
 
 COLOR_RGB = {
@@ -131,10 +132,11 @@ class ModelConfig:
 class RolloutConfig:
     """Response sampling."""
 
+    MOVED: ClassVar[dict[str, str]] = {"group_size": "train.group_size"}
+    """Keys that moved to another section (`config_io`: a recipe that uses one fails naming the new key)."""
+
     engine: Literal["hf"] = "hf"
     """Rollout engine: "hf" (transformers generate); vLLM can be added behind the same interface."""
-    group_size: int = 8
-    """Responses per prompt (G): the GRPO group."""
     max_new_tokens: int = 6
     """Most generated tokens per response (the end-of-turn token included)."""
     temperature: float = 1.0
@@ -152,41 +154,18 @@ class RewardConfig:
 
 
 @dataclass
-class TrainConfig:
-    """GRPO optimisation."""
+class TrainConfig(TrainSettings):
+    """GRPO optimisation (the shared settings: `spotlight.core.config.TrainSettings`)."""
 
     num_iterations: int = 8000
-    """Rollout + update iterations (train.max_minutes usually ends the tiny run first)."""
-    prompts_per_iteration: int = 16
-    """Prompts per iteration (P); the batch is P * G responses."""
+    group_size: int = 8
     lr: float = 1e-3
     """AdamW learning rate (tiny recipe: 1e-3 with beta 0.1 and refill_prompts 16; see docs/vlm-recipe-notes.md)."""
-    lr_warmup_steps: int = 0
-    """Optimizer steps of a linear learning-rate warm-up from lr / lr_warmup_steps to lr; 0: none."""
-    lr_cooldown: float = 0.0
-    """The last fraction of the run over which the learning rate falls linearly to lr_cooldown_floor x lr; progress is
-    the larger of the time budget (train.max_minutes) used and the iterations done over num_iterations (0: none; also
-    none without a time budget)."""
-    lr_cooldown_floor: float = 0.1
-    """The learning-rate factor the cooldown ends at."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    adam_beta2: float = 0.999
-    """AdamW's second-moment decay (its horizon is about 1 / (1 - adam_beta2) optimizer steps; the DiT tiny recipe uses
-    0.99, untested here)."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
-    clip_range: float = 0.2
-    """PPO ratio clip epsilon (the ratio's lower bound is 1 - clip_range)."""
-    clip_range_high: float = 0.0
-    """DAPO clip-higher: the ratio's upper bound is 1 + clip_range_high; 0 keeps it symmetric (1 + clip_range)."""
-    adv_clip: float = 5.0
-    """Clamp |advantage| to this."""
-    adv_std: Literal["group", "batch"] = "group"
-    """Normalise advantages by the per-group (GRPO) or the whole-batch reward std."""
     beta: float = 0.1
     """Weight of the k3 KL estimate to the reference policy (the model at the start of training); the tiny recipe's 0.1
     keeps the base's answer spread at lr 1e-3 (beta 0 collapses every group to one answer)."""
+    clip_range_high: float = 0.0
+    """DAPO clip-higher: the ratio's upper bound is 1 + clip_range_high; 0 keeps it symmetric (1 + clip_range)."""
     loss_agg: Literal["token", "sequence"] = "token"
     """"token": mean over all response tokens of the batch (DAPO); "sequence": mean over sequences of each one's token
     mean (GRPO)."""
@@ -197,62 +176,31 @@ class TrainConfig:
     """DAPO's dynamic sampling (Yu et al. 2025, Sec. 3.2), with one bounded refill: roll out this many extra prompts
     each iteration, and update on the first prompts_per_iteration groups with a reward spread among all of them (flat
     groups are dropped, as with drop_flat_groups, and replaced); 0 = off."""
-    num_inner_epochs: int = 1
-    """Passes over each iteration's rollouts."""
-    minibatch_size: int = 128
-    """Responses per optimizer step."""
     micro_batch_size: int = 128
     """Responses per forward pass (gradients accumulate; results do not depend on it beyond float order)."""
-    seed: int = 0
-    """Run seed: examples, sampling seeds and minibatch order derive from it."""
-    max_minutes: float = 14.0
-    """Training time budget: stop before an iteration predicted (the slowest of the last 5) to end after it; 0 = no
-    limit."""
-    num_threads: int = 0
-    """torch CPU threads; 0 keeps torch's default."""
     schedule: Literal["serial", "rollplex"] = "rollplex"
     """Phase schedule (the Rollplex paper): "serial" runs each phase over the whole sequence; "rollplex" runs the
     reference and actor prefixes (vision tower + prompt prefill, once per prompt) during decode and only the response
     suffix after. Same losses up to float order."""
 
     def validate(self) -> None:
+        super().validate()
         if self.schedule not in ("serial", "rollplex"):
             raise ValueError(f"train.schedule must be 'serial' or 'rollplex', got {self.schedule!r}")
         if self.refill_prompts < 0:
             raise ValueError(f"train.refill_prompts must be >= 0 (0: no refill), got {self.refill_prompts}")
-        if min(self.minibatch_size, self.micro_batch_size, self.prompts_per_iteration, self.num_inner_epochs) < 1:
-            raise ValueError(
-                "minibatch_size, micro_batch_size, prompts_per_iteration and num_inner_epochs must be >= 1"
-            )
-        if self.clip_range <= 0 or self.beta < 0:
-            raise ValueError(f"clip_range must be > 0 and beta >= 0, got {self.clip_range}, {self.beta}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"train.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.clip_range_high < 0:
             raise ValueError(f"train.clip_range_high must be >= 0 (0: equal to clip_range), got {self.clip_range_high}")
-        if self.lr_warmup_steps < 0:
-            raise ValueError(f"train.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
-        if self.max_minutes < 0:
-            raise ValueError(f"train.max_minutes must be >= 0 (0: no limit), got {self.max_minutes}")
-        if not 0 < self.adam_beta2 < 1:
-            raise ValueError(f"train.adam_beta2 must be in (0, 1), got {self.adam_beta2}")
-        if not 0 <= self.lr_cooldown < 1 or not 0 <= self.lr_cooldown_floor <= 1:
-            raise ValueError(
-                f"train.lr_cooldown must be in [0, 1) and train.lr_cooldown_floor in [0, 1], got {self.lr_cooldown}, "
-                f"{self.lr_cooldown_floor}"
-            )
 
 
 @dataclass
-class LogConfig:
-    """Tracking and checkpoints."""
+class LogConfig(LogSettings):
+    """Tracking and checkpoints (the shared settings: `spotlight.core.config.LogSettings`)."""
 
     wandb_project: str = "spotlight-vlm"
-    """wandb project name."""
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    """wandb mode; online needs `wandb login` (or WANDB_API_KEY)."""
     checkpoint_every: int = 50
-    """Save a checkpoint every this many iterations (and at the end)."""
-    keep_last: int = 3
-    """Checkpoints kept on disk."""
 
 
 @dataclass
@@ -289,13 +237,6 @@ class VLMRecipe:
     """GPU prices for the run's cost ledger (`cost.json`, `spotlight cost RUN_DIR`)."""
 
     def validate(self) -> None:
-        if self.rollout.group_size < 2:
-            raise ValueError(f"rollout.group_size must be >= 2 for GRPO, got {self.rollout.group_size}")
-        if not self.train.lr >= 0:  # 0 freezes the weights (a diagnostic: stale equals fresh)
-            raise ValueError(f"train.lr must be >= 0, got {self.train.lr}")
-        for name in ("num_iterations", "prompts_per_iteration"):
-            if getattr(self.train, name) < 1:
-                raise ValueError(f"train.{name} must be >= 1, got {getattr(self.train, name)}")
         if self.rollout.temperature <= 0:
             raise ValueError(f"rollout.temperature must be > 0, got {self.rollout.temperature}")
         if self.rollout.max_new_tokens < 1:

@@ -181,7 +181,7 @@ def vlm_roles(cfg, m: VLMModel, layout: Layout, prompt_tokens: int, patches: int
     a = DTYPE_BYTES[cfg.model.dtype]
     k, r = layout.fsdp, layout.lora_rank
     ad = m.lora_bytes_per_param if r else a
-    num_prompts, rows_total = tc.prompts_per_iteration, tc.prompts_per_iteration * rc.group_size
+    num_prompts, rows_total = tc.prompts_per_iteration, tc.prompts_per_iteration * tc.group_size
     L, T = prompt_tokens, rc.max_new_tokens
     b = min(tc.micro_batch_size, math.ceil(min(tc.minibatch_size, rows_total) / k))  # FSDP processes split the rows
     vision_trains = cfg.model.train_vision

@@ -270,7 +270,7 @@ class RollplexSchedule:
         self._drop()
         version = self.guard.version
         prompts = prompts.to(self.policy.device)
-        self._first_prompt = 0 if rows is None else rows.start // rc.group_size
+        self._first_prompt = 0 if rows is None else rows.start // self.cfg.train.group_size
         # Vision once per prompt: with the graph when the tower trains (the actor prefix needs it).
         with torch.set_grad_enabled(self.trains and not self.frozen_vision):
             features = image_features(self.policy, prompts)
@@ -283,7 +283,9 @@ class RollplexSchedule:
         # The rollout's rows carry the shared features only: no per-sample copy of the pixels.
         shared = replace(prompts, pixel_values_NC=None, image_outputs=detach_image_outputs(features))
         with self.guard.read("rollout", version):
-            return self.engine.generate(shared, rc.group_size, rc.max_new_tokens, rc.temperature, seed=seed, rows=rows)
+            return self.engine.generate(
+                shared, self.cfg.train.group_size, rc.max_new_tokens, rc.temperature, seed=seed, rows=rows
+            )
 
     def _prefixes(self, prompts: PromptBatch, version: int):
         """Worker: the reference prefix (no gradient) and the actor prefix (graph kept if training)."""
@@ -341,7 +343,7 @@ class RollplexSchedule:
             return self._suffix_batches(self.policy.model, state, batch, rows)
 
     def _suffix_batches(self, model, state: PrefixState, batch: Rollout, rows: list[int]) -> torch.Tensor:
-        G, mb, first = self.cfg.rollout.group_size, self.cfg.train.micro_batch_size, self._first_prompt
+        G, mb, first = self.cfg.train.group_size, self.cfg.train.micro_batch_size, self._first_prompt
         parts = []
         for start in range(0, len(rows), mb):
             local = list(range(start, min(start + mb, len(rows))))
@@ -409,7 +411,7 @@ class _SuffixScorer:
 
     def __init__(self, schedule: RollplexSchedule, batch: Rollout | None, rows: list[int]):
         self.s, self.batch, self.rows = schedule, batch, rows
-        self.G = schedule.cfg.rollout.group_size
+        self.G = schedule.cfg.train.group_size
         self.graph: PrefixState | None = schedule._actor  # θ_k's, computed during the decode
         self.leaves: PrefixState | None = None
         # Global prompt index -> row of the prefix state.

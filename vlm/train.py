@@ -94,7 +94,7 @@ class SerialSchedule:
     def rollout(self, prompts, seed: int, rows: range | None = None, pad: int = 0) -> Rollout:
         rc = self.cfg.rollout
         return self.engine.generate(
-            prompts, rc.group_size, rc.max_new_tokens, rc.temperature, seed=seed, rows=rows, pad=pad
+            prompts, self.cfg.train.group_size, rc.max_new_tokens, rc.temperature, seed=seed, rows=rows, pad=pad
         )
 
     def reference_logprobs(self, batch: Rollout, rows: list[int]) -> torch.Tensor:
@@ -242,12 +242,12 @@ def _train(
 ) -> dict:
     """The iteration loop (every rank runs it; rank 0 writes, and charges the ledger)."""
     console = Console(quiet=not progress)
-    tc, P, G = cfg.train, cfg.train.prompts_per_iteration, cfg.rollout.group_size
+    tc, P, G = cfg.train, cfg.train.prompts_per_iteration, cfg.train.group_size
     # Prompts rolled out per iteration: P, plus the refill candidates of dynamic sampling.
     num_rollout = P + tc.refill_prompts
     if num_rollout * G < dp.world_size:
         raise ValueError(
-            f"train.prompts_per_iteration * rollout.group_size = {P * G} samples for {dp.world_size} processes: give "
+            f"train.prompts_per_iteration * train.group_size = {P * G} samples for {dp.world_size} processes: give "
             "every process at least one"
         )
     if dp.sharded and tc.schedule == "rollplex":

@@ -5,7 +5,9 @@ The dataclasses are the single source of truth; layers override them, later wins
     dataclass defaults <- ``base`` dict <- YAML recipe <- ``key=value`` command-line overrides
 
 Layers are merged as plain dicts and validated once, against the dataclass types; errors are
-``ValueError`` naming the layer the bad value came from, the dotted key, and what to change.
+``ValueError`` naming the layer the bad value came from, the dotted key, and what to change. A
+section may list keys that moved elsewhere in a ``MOVED`` class attribute (old key -> new dotted
+key); a recipe or override that still uses one fails with the new name.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def _build(cls: type[T], data: dict, path: str, where: _Where, base: Any = None)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in fields:
-            raise _unknown_key(key, list(fields), path, where)
+            raise _unknown_key(key, list(fields), path, where, moved=getattr(cls, "MOVED", {}))
     kwargs = {}
     for name, f in fields.items():
         key = f"{path}.{name}" if path else name
@@ -164,8 +166,11 @@ def _field_default(f: dataclasses.Field) -> Any:
     return f.default
 
 
-def _unknown_key(key: Any, valid: list[str], path: str, where: _Where) -> ValueError:
+def _unknown_key(key: Any, valid: list[str], path: str, where: _Where, moved: dict[str, str]) -> ValueError:
+    """`moved`: the section's `MOVED` class attribute, keys that now live elsewhere -> their new dotted name."""
     prefix = f"{path}." if path else ""
+    if key in moved:
+        return _error(where(prefix + str(key)), "", f"'{prefix}{key}' is now '{moved[key]}'; rename it there")
     close = difflib.get_close_matches(str(key), valid, n=1)
     under = f" under '{path}'" if path else ""
     hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys{under}: {', '.join(valid)}"
