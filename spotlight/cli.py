@@ -18,19 +18,14 @@ EXIT_INTERRUPTED = 130
 
 
 def _quiet_libraries() -> None:
-    # Model loading prints progress bars per folder; our own progress is enough.
     os.environ.setdefault("WANDB_SILENT", "true")
     # A wandb service inherited from a parent process (a script or test runner that used wandb)
     # would hold this run's stream after a SIGKILL of this process, and the replacement trainer's
     # init with the same run id would fail ("run ID is in use"): each trainer starts its own.
     os.environ.pop("WANDB_SERVICE", None)
-    import diffusers
-    import transformers
+    from spotlight.policy import quiet_model_libraries
 
-    diffusers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    quiet_model_libraries()
 
 
 def recipe_kinds() -> list[tuple[type, str]]:

@@ -137,10 +137,10 @@ class DiTRunner(JobRunner):
 
     def __init__(self, cfg: DiTRecipe):
         from spotlight.parallel import SPContext, install_ulysses
-        from spotlight.policy import load_policy
+        from spotlight.policy import load_policy, quiet_model_libraries
         from spotlight.sampling import qwen_image_sigmas
 
-        _quiet_libraries()
+        quiet_model_libraries()
         self.cfg = cfg
         # The attention core first (parallel.sp_backend): a backend that cannot run here fails before the model loads.
         cfg.parallel.check_device(cfg.model.device)
@@ -297,16 +297,6 @@ class DiTRunner(JobRunner):
             state.stopped = True  # starts no chunk after its time limit
             return
         state.batch = self._encode(state)
-
-
-def _quiet_libraries() -> None:
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
 
 
 def explore_num_steps(cfg: DiTRecipe, job: ExploreJob) -> int:

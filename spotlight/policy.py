@@ -208,6 +208,18 @@ class DiTPolicy:
         return bool(getattr(self.transformer, "peft_config", None))
 
 
+def quiet_model_libraries() -> None:
+    """diffusers' and transformers' progress bars and warnings off: model loading prints a bar per
+    folder, and our own progress is enough (the CLI and the runtime's workers call this)."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def default_model_path() -> Path:
     """The tiny shapes base model shipped inside the package (`spotlight pretrain` rebuilds it)."""
     return Path(__file__).parent / "assets" / "tiny-shapes-base"
@@ -238,7 +250,8 @@ def load_policy(model_cfg, *, trainable: bool = True, seed: int | None = None) -
 
 
 def trainable_state(policy: DiTPolicy) -> dict[str, torch.Tensor]:
-    """The weights post-training changes: the LoRA adapter, or the whole transformer."""
+    """The weights post-training changes: the LoRA adapter, or the whole transformer. Live tensors, as
+    the VLM's `vlm.policy.trainable_state`: clone them to keep a snapshot."""
     if policy.has_lora:
         from peft.utils import get_peft_model_state_dict
 

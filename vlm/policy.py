@@ -281,12 +281,13 @@ def load_policy(model_cfg, *, trainable: bool = True, seed: int | None = None) -
 
 
 def trainable_state(policy: VLMPolicy) -> dict[str, torch.Tensor]:
-    """The weights training changes: the LoRA adapter, or every parameter that requires grad."""
+    """The weights training changes: the LoRA adapter, or every parameter that requires grad. Live
+    tensors, as the DiT's `spotlight.policy.trainable_state`: clone them to keep a snapshot."""
     if policy.has_lora:
         from peft.utils import get_peft_model_state_dict
 
-        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(policy.model).items()}
-    return {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+        return {k: v.detach() for k, v in get_peft_model_state_dict(policy.model).items()}
+    return {n: p.detach() for n, p in policy.model.named_parameters() if p.requires_grad}
 
 
 def load_trainable_state(policy: VLMPolicy, state: dict[str, torch.Tensor]) -> None:
