@@ -49,14 +49,14 @@ from stale_ranking import (
 
 from planners.tables import RewardTable, save_reward_table
 from spotlight.core.seeds import derive_seed
-from spotlight.explore import planner_ids
 from spotlight.policy import load_trainable_state
+from spotlight.seed_selection import planner_ids
 
 DEFAULT_OUT = str(ROOT / "benchmarks" / "data" / "tiny-shapes-rewards.npz")
 
 
 def candidate_seeds(run_seed: int, iteration: int, prompt_index: int, start: int, stop: int) -> list[int]:
-    """Seeds of candidates start..stop-1 of one prompt slot of one iteration (as spotlight.explore.candidate_seeds)."""
+    """Seeds of candidates start..stop-1 of one prompt slot of one iteration (as seed_selection.candidate_seeds)."""
     return [derive_seed(run_seed, iteration, prompt_index, i) for i in range(start, stop)]
 
 

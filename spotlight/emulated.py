@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from spotlight.config import DiTRecipe
-from spotlight.explore import ExploreJob, ExploreResult
+from spotlight.seed_selection import ExploreJob, ExploreResult
 
 
 @dataclass

@@ -43,9 +43,9 @@ import torch
 
 from spot.runner import JobRunner
 from spotlight.config import DiTRecipe
-from spotlight.explore import ExploreJob, ExploreResult
 from spotlight.rollout import AUTOCAST_DTYPES, PromptBatch, Rollout, encode, guided_velocity, resolve_autocast
 from spotlight.sampling import Trajectory, sample
+from spotlight.seed_selection import ExploreJob, ExploreResult
 
 ROLLOUT, EXPLORE = "rollout", "explore"
 """Job kinds (`spot.jobqueue.Job.kind`)."""

@@ -43,7 +43,8 @@ from matplotlib.ticker import MaxNLocator
 
 from spotlight.core.cost import COST_FILE, read_ledger, summarize
 from spotlight.core.tracking import IMAGES_DIR, METRICS_FILE, read_metrics
-from spotlight.explore import FALLBACK_CAUSES, LOG_FILE
+from spotlight.explore import LOG_FILE
+from spotlight.seed_selection import FALLBACK_CAUSES
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,6 @@ from spot.localray import import_ray_on_loopback
 from spot.runtime import Runtime, RuntimeStatus
 from spotlight.config import DiTRecipe
 from spotlight.core.cost import ON_DEMAND, SPOT
-from spotlight.explore import ExploreJob, ExploreResult
 from spotlight.jobs import (
     EXPLORE,
     ROLLOUT,
@@ -49,6 +48,7 @@ from spotlight.jobs import (
     rollout_jobs,
 )
 from spotlight.rollout import Rollout
+from spotlight.seed_selection import ExploreJob, ExploreResult
 
 logger = logging.getLogger(__name__)
 

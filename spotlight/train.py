@@ -12,12 +12,12 @@ With `runtime.rollouts=cluster` the rollout runs as jobs on the spot runtime's p
 workers on the cluster's on-demand and spot nodes through preemptions (`spot_runtime.py`); it gives
 the bits the local rollout gives, so the run is the same run. Exploration always runs there.
 
-Data parallel (`accelerate launch` or `torchrun`, see `distributed.py`): the global batch and its
+Data parallel (`accelerate launch` or `torchrun`, see `core/distributed.py`): the global batch and its
 seeds are the one-process ones; each rank rolls out a contiguous slice of the P * G samples, the
 rewards are all-gathered before the group advantages, gradients are summed over ranks in the
 update, each rank samples a slice of the held-out eval, and only rank 0 writes (metrics, images,
 checkpoints, cost) and drives the explorers. Under FSDP the transformer is sharded
-(`distributed.shard_transformer`): every rank then runs every forward (padded rollouts and eval
+(`parallel/fsdp.py: shard_transformer`): every rank then runs every forward (padded rollouts and eval
 slices), and checkpoints and the weights published to the explorers are gathered to rank 0.
 
 Cost: every iteration charges its wall time to the run's ledger (`spotlight.core.cost`, `cost.json`): the
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
-from dataclasses import replace
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,26 +46,28 @@ from spotlight.core.config_io import dump_yaml, save_config, to_dict
 from spotlight.core.cost import CostLedger
 from spotlight.core.distributed import DataParallel, init_data_parallel, load_resume_checkpoint, torch_threads
 from spotlight.core.optim import run_cooldown_scale
-from spotlight.core.rewards import gather_rewards
+from spotlight.core.rewards import RewardResult, gather_rewards
 from spotlight.core.runlock import RunLock, remove_if_empty_run
 from spotlight.core.seeds import derive_seed
 from spotlight.core.time_budget import IterationBudget, progress_total
 from spotlight.core.tracking import Tracker
 from spotlight.evaluate import evaluate
-from spotlight.explore import (
-    Exploration,
-    opens_before_rollout,
-    publishes_before_rollout,
-    publishes_before_update,
-    start_exploration,
-)
+from spotlight.explore import Exploration, NullExploration, start_exploration
 from spotlight.mirror import CheckpointMirror
-from spotlight.parallel.fsdp import gather_train_state, gather_trainable_weights, load_train_state, shard_transformer
-from spotlight.policy import load_policy, trainable_state
+from spotlight.parallel.fsdp import (
+    LocalWeightsSource,
+    ShardedWeightsSource,
+    gather_train_state,
+    gather_trainable_weights,
+    load_train_state,
+    shard_transformer,
+)
+from spotlight.policy import load_policy
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
 from spotlight.rollout import Rollout, resolve_autocast, rollout
 from spotlight.sampling import Trajectory, qwen_image_sigmas, sde_step_indices
+from spotlight.seed_selection import opens_before_rollout, publishes_before_rollout, publishes_before_update
 from spotlight.spot_runtime import SpotRuntime, runtime_wanted, start_runtime
 from spotlight.trainer import GRPOTrainer
 
@@ -97,7 +99,8 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
     run_dir = Path(run_dir)
     # One process unless launched by accelerate/torchrun; then only rank 0 writes and explores.
     dp = init_data_parallel()
-    mirror, ledger, exploration, rt, lock = None, None, None, None, None
+    mirror, ledger, rt, lock = None, None, None, None
+    exploration: Exploration | NullExploration = NullExploration()  # mode none, and ranks other than 0
     if cfg.runtime.rollouts == "cluster" and dp.world_size > 1:
         dp.close()
         raise ValueError(
@@ -156,8 +159,7 @@ def run_training(cfg: DiTRecipe, run_dir: str | Path, *, resume: bool = True, pr
         dp.finish()
         return result
     finally:
-        if exploration is not None:
-            exploration.close()
+        exploration.close()
         if rt is not None:
             rt.close()
         dp.close()
@@ -171,7 +173,7 @@ def _train(
     cfg: DiTRecipe,
     run_dir: Path,
     dp: DataParallel,
-    exploration: Exploration | None,
+    exploration: Exploration | NullExploration,
     rt: SpotRuntime | None,
     ledger: CostLedger | None,
     mirror: CheckpointMirror | None,
@@ -181,69 +183,351 @@ def _train(
     progress: bool,
     started: float,
 ) -> dict:
-    """The iteration loop; on ranks other than 0, exploration, runtime, ledger, mirror and lock are None.
-    `started`: `time.monotonic()` when `run_training` began (time/run_s counts from it)."""
-    console = Console(quiet=not progress)
-    if dp.is_main:
-        save_config(cfg, run_dir / "config.yaml")
+    """The iteration loop; on ranks other than 0, runtime, ledger, mirror and lock are None and the
+    exploration a `NullExploration`. `started`: `time.monotonic()` when `run_training` began."""
+    run = _Run(cfg, run_dir, dp, exploration, rt, ledger, mirror, lock, progress=progress, started=started)
+    run.resume(resume)
+    run.announce()
+    # prefetch_scope: a prefetch still under way when the loop ends (a stop before the last
+    # iteration, an exception) is waited for and dropped, and its worker thread stopped.
+    with run.tracking() as tracker, run.progress_bar() as bar, run.policy.prompt_cache.prefetch_scope():
+        if rt is not None:
+            rt.start_trace()  # a replayed trace's clock runs from the first iteration on
+        for it in range(run.start_iter, cfg.train.num_iterations):
+            if lock is not None:
+                lock.check(fresh=False)  # a newer trainer took the store over: stop before writing more
+            batch = run.iteration(it)
+            if run.publish(it, batch, tracker, bar):
+                break
+    return run.finish()
 
-    train_prompts, eval_prompts = train_and_eval_prompts(cfg.data, cfg.reward.weights)
-    policy = load_policy(cfg.model, seed=cfg.train.seed)
-    P, G = cfg.train.prompts_per_iteration, cfg.train.group_size
-    if dp.sharded:
-        if P * G < dp.world_size:
-            raise ValueError(
-                f"FSDP on {dp.world_size} processes needs a sample per rank: raise train.prompts_per_iteration * "
-                f"train.group_size ({P * G})"
+
+@dataclass
+class _Batch:
+    """One iteration's rollout and what it scored."""
+
+    prompts: list[str]
+    ro: Rollout
+    reward: RewardResult
+    metrics: dict
+
+
+class _Run:
+    """One `spotlight train` run in a trainer process: the model, the trainer and the loop's steps.
+
+    Each iteration is `iteration` (the batch, its rollout, rewards, advantages and update, with
+    exploration around them) and then `publish` (held-out eval, metrics, images, checkpoint, and
+    whether to stop).
+    """
+
+    def __init__(self, cfg, run_dir, dp, exploration, rt, ledger, mirror, lock, *, progress: bool, started: float):
+        self.cfg, self.run_dir, self.dp, self.exploration = cfg, run_dir, dp, exploration
+        self.rt, self.ledger, self.mirror, self.started = rt, ledger, mirror, started
+        self.console = Console(quiet=not progress)
+        if dp.is_main:
+            save_config(cfg, run_dir / "config.yaml")
+        self.train_prompts, self.eval_prompts = train_and_eval_prompts(cfg.data, cfg.reward.weights)
+        self.policy = load_policy(cfg.model, seed=cfg.train.seed)
+        P, G = cfg.train.prompts_per_iteration, cfg.train.group_size
+        if dp.sharded:
+            if P * G < dp.world_size:
+                raise ValueError(
+                    f"FSDP on {dp.world_size} processes needs a sample per rank: raise train.prompts_per_iteration * "
+                    f"train.group_size ({P * G})"
+                )
+            local, full = shard_transformer(self.policy, dp)
+            counts = dp.all_gather_rows(torch.tensor([local])).tolist()
+            self.console.print(
+                f"fsdp: transformer sharded over {dp.world_size} ranks, local parameters {counts} of {full}"
             )
-        local, full = shard_transformer(policy, dp)
-        counts = dp.all_gather_rows(torch.tensor([local])).tolist()
-        console.print(f"fsdp: transformer sharded over {dp.world_size} ranks, local parameters {counts} of {full}")
-    trainer = GRPOTrainer(policy, cfg, dp)
-    reward_fn = build_reward(cfg.reward.weights, **cfg.reward.options())
-    sigmas = qwen_image_sigmas(cfg.sample.num_steps, policy.latent_shape[0])
+        self.trainer = GRPOTrainer(self.policy, cfg, dp)
+        self.reward_fn = build_reward(cfg.reward.weights, **cfg.reward.options())
+        self.sigmas = qwen_image_sigmas(cfg.sample.num_steps, self.policy.latent_shape[0])
+        self.lo, self.hi = dp.shard(P * G)  # this rank's samples of every iteration (all of them in one process)
+        # Under FSDP every rank rolls out as many samples (sizes differ by at most one): repeats of its last.
+        self.num_pad = dp.num_padding(P * G)
+        self.autocast = resolve_autocast(cfg.sample.autocast, self.policy.device, cfg.train.objective)
+        self.start_iter, self.last_ckpt, self.history = 0, None, []
+        # The budget runs on the trainer's clock: time spent waiting for emulated explorers
+        # (explore.emulated_nodes) is capacity of other machines, not the trainer's.
+        self.emulated_s = 0.0
+        self.budget = IterationBudget(cfg.train.max_minutes, clock=lambda: time.monotonic() - self.emulated_s)
+        self.cooling = cfg.train.lr_cooldown > 0 and cfg.train.max_minutes > 0
 
-    start_iter = 0
-    # Rank 0 picks the checkpoint; every rank loads it (the run dir must be one every rank can read).
-    ckpt = load_resume_checkpoint(dp, run_dir, resume)
-    last_ckpt: Path | None = None if ckpt is None else ckpt.path
-    if ckpt is not None:
-        if trainer.ema is not None and "ema" in ckpt.tensors:
-            # The moving average goes through the weights' loader (sharded under FSDP), then the
-            # weights themselves; the optimizer state is loaded twice, the second time for good.
-            load_train_state(dp, policy, trainer.optimizer, ckpt.tensors["ema"], ckpt.optimizer_state)
-            trainer.reset_ema()
-        load_train_state(dp, policy, trainer.optimizer, ckpt.tensors["trainable"], ckpt.optimizer_state)
-        if trainer.ema is not None and "ema" not in ckpt.tensors:
-            trainer.reset_ema()
+    # -- before the loop ----------------------------------------------------------------------------
+
+    def resume(self, resume: bool) -> None:
+        """Load the newest intact checkpoint (rank 0 picks it, every rank loads it)."""
+        cfg, dp, policy, trainer = self.cfg, self.dp, self.policy, self.trainer
+        ckpt = load_resume_checkpoint(dp, self.run_dir, resume)
+        if ckpt is not None:
+            self.last_ckpt = ckpt.path
+            if trainer.ema is not None and "ema" in ckpt.tensors:
+                # The moving average goes through the weights' loader (sharded under FSDP), then the
+                # weights themselves; the optimizer state is loaded twice, the second time for good.
+                load_train_state(dp, policy, trainer.optimizer, ckpt.tensors["ema"], ckpt.optimizer_state)
+                trainer.reset_ema()
+            load_train_state(dp, policy, trainer.optimizer, ckpt.tensors["trainable"], ckpt.optimizer_state)
+            if trainer.ema is not None and "ema" not in ckpt.tensors:
+                trainer.reset_ema()
+                self.console.print(
+                    f"train.ema_decay={cfg.train.ema_decay}: {ckpt.path} has no moving average; it starts from its "
+                    "weights"
+                )
+            restore_rng_state(ckpt.rng_state)
+            self.start_iter = ckpt.step
+            if "explore" in ckpt.meta:
+                self.exploration.load_state_dict(ckpt.meta["explore"])
+            self.console.print(f"resuming from {ckpt.path} (iteration {self.start_iter})")
+        self.exploration.truncate_log(self.start_iter)
+
+    def announce(self) -> None:
+        """Wait for the runtime's workers, and say how the run is laid out."""
+        cfg, dp, console = self.cfg, self.dp, self.console
+        P, G = cfg.train.prompts_per_iteration, cfg.train.group_size
+        if self.rt is not None:
+            ready = self.exploration.wait_ready(cfg.runtime.startup_timeout_s)
+            workers = self.rt.wait_ready(cfg.runtime.startup_timeout_s)
             console.print(
-                f"train.ema_decay={cfg.train.ema_decay}: {ckpt.path} has no moving average; it starts from its weights"
+                f"runtime: rollouts {cfg.runtime.rollouts}, {workers['spot']} spot and {workers['on_demand']} "
+                "on-demand worker(s) ready"
+                + (f"; explore.mode={cfg.explore.mode}: {ready} spot group(s) explore" if ready is not None else "")
             )
-        restore_rng_state(ckpt.rng_state)
-        start_iter = ckpt.step
-        if exploration is not None and "explore" in ckpt.meta:
-            exploration.load_state_dict(ckpt.meta["explore"])
-        console.print(f"resuming from {ckpt.path} (iteration {start_iter})")
-    if exploration is not None:
-        exploration.truncate_log(start_iter)
-    if rt is not None:
-        ready = exploration.wait_ready(cfg.runtime.startup_timeout_s) if exploration is not None else None
-        workers = rt.wait_ready(cfg.runtime.startup_timeout_s)
-        console.print(
-            f"runtime: rollouts {cfg.runtime.rollouts}, {workers['spot']} spot and {workers['on_demand']} on-demand "
-            f"worker(s) ready"
-            + (f"; explore.mode={cfg.explore.mode}: {ready} spot group(s) explore" if ready is not None else "")
-        )
-    elif exploration is not None and cfg.explore.emulated_nodes:
-        console.print(
-            f"explore.mode={cfg.explore.mode} on {cfg.explore.emulated_nodes} EMULATED explorer node(s): their jobs "
-            "run in this "
-            "process while the trainer waits (time/emulated_explore_s, not counted in time/iteration_s)"
+        elif self.exploration.active and cfg.explore.emulated_nodes:
+            console.print(
+                f"explore.mode={cfg.explore.mode} on {cfg.explore.emulated_nodes} EMULATED explorer node(s): their "
+                "jobs run in this process while the trainer waits (time/emulated_explore_s, not counted in "
+                "time/iteration_s)"
+            )
+        if dp.world_size > 1:
+            console.print(
+                f"data parallel: {dp.world_size} processes on {dp.device.type}, {self.hi - self.lo} of {P * G} "
+                "samples on rank 0"
+            )
+        if cfg.sample.autocast == "auto" and self.autocast != "none":
+            console.print(
+                f"sample.autocast=auto: rollouts and evaluation sample in {self.autocast} (sample.autocast=none for "
+                "float32)"
+            )
+        if cfg.train.autocast == "auto" and self.trainer.autocast != "none":
+            console.print(
+                f"train.autocast=auto: the update's forwards and backward run in {self.trainer.autocast} "
+                "(train.autocast=none for float32)"
+            )
+
+    def tracking(self):
+        """The run's tracker (metrics.jsonl, wandb, images) on rank 0; nothing on the others."""
+        cfg = self.cfg
+        if not self.dp.is_main:
+            return nullcontext()
+        return Tracker(
+            self.run_dir,
+            project=cfg.log.wandb_project,
+            run_name=cfg.name,
+            mode=cfg.log.wandb_mode,
+            config=to_dict(cfg),
+            resume_step=self.start_iter,
         )
 
-    def checkpoint(step: int, metrics: dict, weights: dict, optimizer_state: dict, ema: dict | None) -> Path:
+    @contextmanager
+    def progress_bar(self):
+        columns = [
+            TextColumn("[bold]GRPO"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+        ]
+        with Progress(*columns, console=self.console) as bar:
+            self.task = bar.add_task("", total=self.cfg.train.num_iterations, completed=self.start_iter)
+            yield bar
+
+    # -- one iteration ------------------------------------------------------------------------------
+
+    def iteration(self, it: int) -> _Batch:
+        """Rollout, rewards, advantages and update of iteration `it`, with exploration around them."""
+        cfg, dp, ex, G = self.cfg, self.dp, self.exploration, self.cfg.train.group_size
+        self.budget.starts()
+        t0 = time.monotonic()
+        # 1. The batch: G seeded trajectories per prompt; with exploration, a prompt's seeds may be a
+        #    high-contrast subset of its explored candidates. θ_k is published before the rollout for
+        #    inline exploration of this batch, or (explore.window "iteration") for stale exploration
+        #    of the next one, which then runs until the update ends.
+        prompts, seeds, sde_steps = plan_iteration(cfg, self.train_prompts, it)
+        nxt = plan_iteration(cfg, self.train_prompts, it + 1) if it + 1 < cfg.train.num_iterations else None
+        when = dict(window=cfg.explore.window, iteration=it, has_next_batch=nxt is not None)
+        early = self.explore_weights(publishes_before_rollout(cfg.explore.mode, **when))
+        t_window = time.monotonic()
+        seeds = ex.seeds_for(it, early, prompts[::G], seeds, sde_steps, nxt)
+        early.settle()
+        if cfg.explore.mode != "none":
+            seeds = dp.broadcast_object(seeds)  # only rank 0 holds the explorers
+        # 2. Rollout with the current weights.
+        t_ro = time.monotonic()
+        ro = self.rollout(it, prompts, seeds, sde_steps, nxt)
+        t1 = time.monotonic()
+        # 3. Rewards; a failed reward leaves NaN, which drops the sample from its group. Every rank
+        #    gets the whole batch's rewards: the group statistics are global.
+        reward = gather_rewards(dp, self.reward_fn(ro.images, prompts[self.lo : self.hi]))
+        # 4. Group-relative advantages; zero-variance groups are filtered.
+        P = cfg.train.prompts_per_iteration
+        adv = group_advantages(reward.total_B.view(P, G), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip)
+        t2 = time.monotonic()
+        # 5. Stale exploration (explore.window "update", and iteration 0): publish θ_k, explore the
+        #    next batch with it during the update.
+        late = self.explore_weights(publishes_before_update(cfg.explore.mode, **when))
+        ex.launch(it, late, reward.total_B, seeds, t2 - t_ro, nxt)
+        late.settle()
+        # 6. Policy update on the stochastic steps (noise levels, for nft).
+        t_up = time.monotonic()
+        stats = self.update(ro, adv, it)
+        t3 = time.monotonic()
+        encoder = self.policy.prompt_cache.end_step()
+        # 7. Take the exploration results that are ready; never wait for an explorer. The window the
+        #    next budget predicts is the time the explorers had: with the rollout on the cluster, its
+        #    spot workers served it first, so they were free only from its end.
+        if cfg.runtime.rollouts == "cluster":
+            window_start = t1
+        else:
+            window_start = t_window if opens_before_rollout(cfg.explore.mode, **when) else t_up
+        ex.collect(it, t3 - window_start)
+        metrics = {
+            **_reward_metrics(reward, adv, stats),
+            "time/rollout_s": t1 - t_ro,
+            "time/reward_s": t2 - t1,
+            "time/update_s": t3 - t_up,
+            **encoder.metrics(),
+            **({"grpo/lr_scale": self.trainer.lr_scale} if self.cooling else {}),
+            **ex.metrics(weights_copies=early.copies + late.copies),
+            **(self.rt.metrics() if self.rt is not None else {}),
+            "time/iteration_s": time.monotonic() - t0,
+        }
+        # Emulated explorers ran while the trainer waited (spotlight.emulated): not trainer time.
+        metrics["time/iteration_s"] -= metrics.get("time/emulated_explore_s", 0.0)
+        self.emulated_s += metrics.get("time/emulated_explore_s", 0.0)
+        self.history.append(metrics)
+        return _Batch(prompts, ro, reward, metrics)
+
+    def rollout(self, it: int, prompts: list[str], seeds: list[int], sde_steps: list[int], nxt) -> Rollout:
+        """This rank's samples of the batch, locally or as jobs on the spot runtime (the same bits).
+
+        The step's prompts are encoded once here and held until the update is done: the rollout and
+        the update (all G samples, every minibatch) read them (prompt_cache.py). With
+        train.prefetch_prompts they were encoded during the previous step, and this rank's slice of
+        the next step's prompts is encoded during this one.
+        """
+        cfg, dp, lo, hi = self.cfg, self.dp, self.lo, self.hi
+        prefetch = nxt[0][lo:hi] if nxt is not None and cfg.train.prefetch_prompts else None
+        self.policy.prompt_cache.begin_step(prompts[lo:hi], next_prompts=prefetch)
+        if cfg.runtime.rollouts == "cluster":
+            # Jobs on the pull queue, weights version it (θ_k).
+            return self.rt.rollout(it, LocalWeightsSource(self.policy), prompts, seeds, sde_steps, self.sigmas)
+        ro = rollout(
+            self.policy,
+            dp.padded_shard(prompts),
+            dp.padded_shard(seeds),
+            self.sigmas,
+            noise_level=cfg.sample.noise_level,
+            sde_steps=sde_steps,
+            sde_type=cfg.sample.sde_type,
+            guidance_scale=cfg.sample.guidance_scale,
+            negative_prompt=cfg.sample.negative_prompt,
+            batch_size=cfg.sample.batch_size,
+            autocast=self.autocast,
+        )
+        return _first(ro, hi - lo) if self.num_pad else ro
+
+    def update(self, ro: Rollout, adv, it: int) -> dict:
+        """The policy update; over the last train.lr_cooldown of the run at a falling learning rate
+        (run_cooldown_scale; rank 0's clock decides for every rank)."""
+        if self.cooling:
+            tc = self.cfg.train
+            self.trainer.lr_scale = self.dp.broadcast_object(
+                run_cooldown_scale(self.budget, it + 1, tc.num_iterations, tc.lr_cooldown, tc.lr_cooldown_floor)
+            )
+        return self.trainer.update(ro, adv, it)
+
+    def explore_weights(self, needed: bool) -> LocalWeightsSource | ShardedWeightsSource:
+        """The current trainable weights for the explorers, as `Exploration` takes them. Call its
+        `settle()` on every rank after `Exploration` has had its chance to call it."""
+        if self.dp.sharded:
+            # Rank 0 holds only its shards: every rank must join the gather, but only when rank
+            # 0's planner has candidates to sample (ShardedWeightsSource).
+            return ShardedWeightsSource(self.dp, self.policy, needed)
+        # One process or full replicas: copied only if a candidate is planned, and to the CPU, so
+        # that the optimizer step that follows does not change what the explorers load.
+        return LocalWeightsSource(self.policy)
+
+    # -- after each iteration -----------------------------------------------------------------------
+
+    def publish(self, it: int, batch: _Batch, tracker, bar) -> bool:
+        """Held-out eval, metrics, images and checkpoint of θ_{it+1}; True when the run stops here."""
+        cfg, dp, metrics, step = self.cfg, self.dp, batch.metrics, it + 1
+        eval_summary = None
+        if cfg.eval.every and step % cfg.eval.every == 0:
+            # Held-out reward of θ_{k+1}; its time is outside time/iteration_s. Every rank samples its
+            # slice of the held-out samples, rank 0 reports.
+            with self.trainer.averaged_weights():  # what `spotlight eval` of the checkpoint would score
+                eval_summary, _ = evaluate(self.policy, self.eval_prompts, self.reward_fn, cfg, progress=False, dp=dp)
+        if dp.is_main:
+            if eval_summary is not None:
+                metrics["eval/mean_reward"] = eval_summary["mean_reward"]
+                metrics["eval/seconds"] = eval_summary["seconds"]
+            # Wall time of this process so far on the trainer's clock (a resumed run counts from its
+            # restart): start-up, iterations, evaluations and checkpoints, without the waits for
+            # emulated explorers. What benchmarks/time_to_target.py counts to a target.
+            metrics["time/run_s"] = time.monotonic() - self.started - self.emulated_s
+            self.charge_cost()
+            metrics.update(self.ledger.metrics())
+            tracker.log(metrics, step=step)
+        # Stop before an iteration that would end after train.max_minutes, or once eval.stop_at is
+        # reached. Rank 0 decides for every rank, so that all of them stop after the same iteration.
+        out_of_time = step < cfg.train.num_iterations and dp.broadcast_object(not self.budget.next_fits())
+        at_target = cfg.eval.stop_at is not None and dp.broadcast_object(
+            eval_summary is not None and eval_summary["mean_reward"] >= cfg.eval.stop_at
+        )
+        last = step == cfg.train.num_iterations or out_of_time or at_target
+        if cfg.log.images_every and (step % cfg.log.images_every == 0 or last):  # and at the end of every run
+            # The first sample of each of the first 16 groups, from whichever rank rolled it out.
+            P, G, lo, hi = cfg.train.prompts_per_iteration, cfg.train.group_size, self.lo, self.hi
+            firsts = dp.all_gather_rows(batch.ro.images[[i - lo for i in range(0, min(P, 16) * G, G) if lo <= i < hi]])
+            if dp.is_main:
+                tracker.log_images("rollout", firsts, batch.prompts[::G][:16], step=step, nrow=4)
+        if step % cfg.log.checkpoint_every == 0 or last:
+            self.checkpoint(step, {k: v for k, v in metrics.items() if not k.startswith(("time/", "cost/"))})
+        bar.update(
+            self.task,
+            advance=1,
+            total=progress_total(self.budget, step, cfg.train.num_iterations, stopping=last),
+            description=f"reward {metrics['reward/mean']:.3f}"
+            + (f" · {self.rt.describe()}" if self.rt is not None else ""),
+        )
+        if out_of_time:
+            self.console.print(
+                f"train.max_minutes={cfg.train.max_minutes}: iteration {step + 1} would not end in time; stopping "
+                f"after {step}"
+            )
+        elif at_target and step < cfg.train.num_iterations:
+            self.console.print(
+                f"eval.stop_at={cfg.eval.stop_at}: the held-out reward reached it; stopping after {step}."
+            )
+        return out_of_time or (at_target and step < cfg.train.num_iterations)
+
+    def checkpoint(self, step: int, metrics: dict) -> None:
+        """Gather the training state to rank 0 (a collective under FSDP) and save it there, with the
+        moving average if there is one; publish it to the store."""
+        dp, cfg, trainer = self.dp, self.cfg, self.trainer
+        weights, optimizer_state = gather_train_state(dp, self.policy, trainer.optimizer) or (None, None)
+        ema = None
+        if trainer.ema is not None:
+            with trainer.averaged_weights():  # under FSDP, a collective
+                ema = gather_trainable_weights(dp, self.policy)
+                ema = ema and {k: v.detach().clone() for k, v in ema.items()}  # not the live tensors
+        if not dp.is_main:
+            return
+        explore_state = self.exploration.state_dict()
         step_dir = save_checkpoint(
-            run_dir,
+            self.run_dir,
             step,
             tensors={"trainable": weights, **({"ema": ema} if ema is not None else {})},
             optimizer_state=optimizer_state,
@@ -254,310 +538,41 @@ def _train(
                 "metrics": metrics,
                 "lora_rank": cfg.model.lora_rank,
                 "lora_alpha": cfg.model.lora_alpha,
-                **({"explore": exploration.state_dict()} if exploration is not None else {}),
+                **({"explore": explore_state} if explore_state else {}),
             },
             config_yaml=dump_yaml(cfg),
             keep_last=cfg.log.keep_last,
         )
-        if mirror is not None:
-            mirror.publish(step_dir, run_dir)
-        return step_dir
+        if self.mirror is not None:
+            self.mirror.publish(step_dir, self.run_dir)
+        self.last_ckpt = step_dir
 
-    def charge_cost() -> None:
+    def charge_cost(self) -> None:
         # Spot GPUs held (not only busy): what the spot nodes of the cluster cost right now.
-        if ledger is not None:
-            ledger.charge(spot_gpus=spot_gpus_held() if rt is not None else 0)
+        if self.ledger is not None:
+            self.ledger.charge(spot_gpus=spot_gpus_held() if self.rt is not None else 0)
 
-    def explore_weights(needed: bool) -> LocalWeightsSource | ShardedWeightsSource:
-        """The current trainable weights for the explorers, as `Exploration` takes them. Call its
-        `settle()` on every rank after `Exploration` has had its chance to call it."""
-        if dp.sharded:
-            # Rank 0 holds only its shards: every rank must join the gather, but only when rank
-            # 0's planner has candidates to sample (ShardedWeightsSource).
-            return ShardedWeightsSource(dp, policy, needed)
-        # One process or full replicas: copied only if a candidate is planned, and to the CPU, so
-        # that the optimizer step that follows does not change what the explorers load.
-        return LocalWeightsSource(policy)
-
-    lo, hi = dp.shard(P * G)  # this rank's samples of every iteration (all of them in one process)
-    # Under FSDP every rank rolls out as many samples (sizes differ by at most one): repeats of its last.
-    num_pad = dp.num_padding(P * G)
-    if dp.world_size > 1:
-        console.print(
-            f"data parallel: {dp.world_size} processes on {dp.device.type}, {hi - lo} of {P * G} samples on rank 0"
-        )
-    autocast = resolve_autocast(cfg.sample.autocast, policy.device, cfg.train.objective)
-    if cfg.sample.autocast == "auto" and autocast != "none":
-        console.print(
-            f"sample.autocast=auto: rollouts and evaluation sample in {autocast} (sample.autocast=none for float32)"
-        )
-    if cfg.train.autocast == "auto" and trainer.autocast != "none":
-        console.print(
-            f"train.autocast=auto: the update's forwards and backward run in {trainer.autocast} (train.autocast=none "
-            "for float32)"
-        )
-    history: list[dict] = []
-    # The budget runs on the trainer's clock: time spent waiting for emulated explorers
-    # (explore.emulated_nodes) is capacity of other machines, not the trainer's.
-    emulated_s = [0.0]
-    budget = IterationBudget(cfg.train.max_minutes, clock=lambda: time.monotonic() - emulated_s[0])
-    cooling = cfg.train.lr_cooldown > 0 and cfg.train.max_minutes > 0
-    columns = [
-        TextColumn("[bold]GRPO"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-    ]
-    tracking = (
-        Tracker(
-            run_dir,
-            project=cfg.log.wandb_project,
-            run_name=cfg.name,
-            mode=cfg.log.wandb_mode,
-            config=to_dict(cfg),
-            resume_step=start_iter,
-        )
-        if dp.is_main
-        else nullcontext()
-    )
-    # prefetch_scope: a prefetch still under way when the loop ends (a stop before the last
-    # iteration, an exception) is waited for and dropped, and its worker thread stopped.
-    with tracking as tracker, Progress(*columns, console=console) as bar, policy.prompt_cache.prefetch_scope():
-        task = bar.add_task("", total=cfg.train.num_iterations, completed=start_iter)
-        if rt is not None:
-            rt.start_trace()  # a replayed trace's clock runs from the first iteration on
-        for it in range(start_iter, cfg.train.num_iterations):
-            if lock is not None:
-                lock.check(fresh=False)  # a newer trainer took the store over: stop before writing more
-            budget.starts()
-            t0 = time.monotonic()
-            # 1. Rollout: G seeded trajectories per prompt with the current weights; with
-            #    exploration, a prompt's seeds may be a high-contrast subset of its explored candidates.
-            prompts, seeds, sde_steps = plan_iteration(cfg, train_prompts, it)
-            nxt = plan_iteration(cfg, train_prompts, it + 1) if it + 1 < cfg.train.num_iterations else None
-            # θ_k before the rollout: for inline exploration of this batch, or (explore.window
-            # "iteration") for stale exploration of the next one, which then runs until the update ends.
-            stale_early = opens_before_rollout(cfg.explore.mode, cfg.explore.window, it, nxt is not None)
-            early_weights = explore_weights(
-                publishes_before_rollout(cfg.explore.mode, it, cfg.explore.window, nxt is not None)
-            )
-            t_window = time.monotonic()
-            if exploration is not None:
-                seeds = exploration.seeds_for(it, early_weights, prompts[::G], seeds, sde_steps, nxt)
-            early_weights.settle()
-            if cfg.explore.mode != "none":
-                seeds = dp.broadcast_object(seeds)  # only rank 0 holds the explorers
-            t_ro = time.monotonic()
-            # The step's prompts are encoded once here and held until the update is done: the
-            # rollout and the update (all G samples, every minibatch) read them (prompt_cache.py).
-            # With train.prefetch_prompts they were encoded during the previous step, and this
-            # rank's slice of the next step's prompts is encoded during this one.
-            prefetch = nxt[0][lo:hi] if nxt is not None and cfg.train.prefetch_prompts else None
-            policy.prompt_cache.begin_step(prompts[lo:hi], next_prompts=prefetch)
-            if cfg.runtime.rollouts == "cluster":
-                # Jobs on the pull queue, weights version it (θ_k); the same bits as the local rollout.
-                ro = rt.rollout(it, LocalWeightsSource(policy), prompts, seeds, sde_steps, sigmas)
-            else:
-                ro = rollout(
-                    policy,
-                    dp.padded_shard(prompts),
-                    dp.padded_shard(seeds),
-                    sigmas,
-                    noise_level=cfg.sample.noise_level,
-                    sde_steps=sde_steps,
-                    sde_type=cfg.sample.sde_type,
-                    guidance_scale=cfg.sample.guidance_scale,
-                    negative_prompt=cfg.sample.negative_prompt,
-                    batch_size=cfg.sample.batch_size,
-                    autocast=autocast,
-                )
-            if num_pad:
-                ro = _first(ro, hi - lo)
-            t1 = time.monotonic()
-            # 2. Rewards; a failed reward leaves NaN, which drops the sample from its group. Every
-            #    rank gets the whole batch's rewards: the group statistics are global.
-            reward = gather_rewards(dp, reward_fn(ro.images, prompts[lo:hi]))
-            # 3. Group-relative advantages; zero-variance groups are filtered.
-            adv = group_advantages(reward.total_B.view(P, G), std_mode=cfg.train.adv_std, clip=cfg.train.adv_clip)
-            t2 = time.monotonic()
-            # 4. Stale exploration (explore.window "update", and iteration 0): publish θ_k, explore
-            #    the next batch with it during the update.
-            stale_weights = explore_weights(
-                publishes_before_update(cfg.explore.mode, nxt is not None, cfg.explore.window, it)
-            )  # θ_k, before the update
-            if exploration is not None:
-                exploration.launch(it, stale_weights, reward.total_B, seeds, t2 - t_ro, nxt)
-            stale_weights.settle()
-            t_up = time.monotonic()
-            # 5. Policy update on the stochastic steps; over the last train.lr_cooldown of the run
-            #    at a falling learning rate (run_cooldown_scale; rank 0's clock decides for every rank).
-            if cooling:
-                tc = cfg.train
-                trainer.lr_scale = dp.broadcast_object(
-                    run_cooldown_scale(budget, it + 1, tc.num_iterations, tc.lr_cooldown, tc.lr_cooldown_floor)
-                )
-            stats = trainer.update(ro, adv, it)
-            t3 = time.monotonic()
-            encoder = policy.prompt_cache.end_step()
-            # 6. Take the exploration results that are ready; never wait for an explorer. The
-            #    window the next budget predicts is the time the explorers had: with the rollout on
-            #    the cluster, its spot workers served it first, so they were free only from its end.
-            if exploration is not None:
-                if cfg.runtime.rollouts == "cluster":
-                    window_start = t1
-                else:
-                    window_start = t_window if stale_early else t_up
-                exploration.collect(it, t3 - window_start)
-
-            valid = reward.total_B[~torch.isnan(reward.total_B)]
-            metrics = {
-                "reward/mean": float(valid.mean()) if len(valid) else float("nan"),
-                "reward/std": float(valid.std(unbiased=False)) if len(valid) else float("nan"),
-                "reward/num_failed": reward.num_failed,
-                "grpo/zero_variance_groups": adv.num_zero_variance_groups,
-                "grpo/dropped_samples": adv.num_dropped_samples,
-                **{f"reward/{k}": float(v[~torch.isnan(v)].mean()) for k, v in reward.components.items()},
-                **{f"grpo/{k}": v for k, v in stats.items()},
-                "time/rollout_s": t1 - t_ro,
-                "time/reward_s": t2 - t1,
-                "time/update_s": t3 - t_up,
-                **encoder.metrics(),
-                **({"grpo/lr_scale": trainer.lr_scale} if cooling else {}),
-                **(exploration.metrics() if exploration is not None else {}),
-                **(rt.metrics() if rt is not None else {}),
-                # Weights copied (gathered, under FSDP) for the explorers: only for a window with candidates.
-                **(
-                    {"explore/weights_copies": early_weights.copies + stale_weights.copies}
-                    if exploration is not None
-                    else {}
-                ),
-                "time/iteration_s": time.monotonic() - t0,
-            }
-            # Emulated explorers ran while the trainer waited (spotlight.emulated): not trainer time.
-            metrics["time/iteration_s"] -= metrics.get("time/emulated_explore_s", 0.0)
-            emulated_s[0] += metrics.get("time/emulated_explore_s", 0.0)
-            step = it + 1
-            history.append(metrics)
-            eval_summary = None
-            if cfg.eval.every and step % cfg.eval.every == 0:
-                # Held-out reward of θ_{k+1}; its time is outside time/iteration_s. Every rank
-                # samples its slice of the held-out samples, rank 0 reports.
-                with trainer.averaged_weights():  # what `spotlight eval` of the checkpoint would score
-                    eval_summary, _ = evaluate(policy, eval_prompts, reward_fn, cfg, progress=False, dp=dp)
-            if dp.is_main:
-                # 7. Publish (rank 0 only): held-out eval, cost, metrics, images.
-                if eval_summary is not None:
-                    metrics["eval/mean_reward"] = eval_summary["mean_reward"]
-                    metrics["eval/seconds"] = eval_summary["seconds"]
-                # Wall time of this process so far on the trainer's clock (a resumed run counts from its
-                # restart): start-up, iterations, evaluations and checkpoints, without the waits for
-                # emulated explorers. What benchmarks/time_to_target.py counts to a target.
-                metrics["time/run_s"] = time.monotonic() - started - emulated_s[0]
-                charge_cost()
-                metrics.update(ledger.metrics())
-                tracker.log(metrics, step=step)
-            # Stop before an iteration that would end after train.max_minutes. Rank 0's clock
-            # decides for every rank, so that all of them stop after the same iteration.
-            out_of_time = step < cfg.train.num_iterations and dp.broadcast_object(not budget.next_fits())
-            # eval.stop_at: the held-out target is reached (rank 0's summary decides for every rank).
-            at_target = cfg.eval.stop_at is not None and dp.broadcast_object(
-                eval_summary is not None and eval_summary["mean_reward"] >= cfg.eval.stop_at
-            )
-            last = step == cfg.train.num_iterations or out_of_time or at_target
-            if cfg.log.images_every and (step % cfg.log.images_every == 0 or last):  # and at the end of every run
-                # The first sample of each of the first 16 groups, from whichever rank rolled it out.
-                firsts = dp.all_gather_rows(ro.images[[i - lo for i in range(0, min(P, 16) * G, G) if lo <= i < hi]])
-                if dp.is_main:
-                    tracker.log_images("rollout", firsts, prompts[::G][:16], step=step, nrow=4)
-            if step % cfg.log.checkpoint_every == 0 or last:
-                state = gather_train_state(dp, policy, trainer.optimizer)  # under FSDP, a collective
-                ema = None
-                if trainer.ema is not None:
-                    with trainer.averaged_weights():  # under FSDP, a collective
-                        ema = gather_trainable_weights(dp, policy)
-                        ema = ema and {k: v.detach().clone() for k, v in ema.items()}  # not the live tensors
-                if dp.is_main:
-                    last_ckpt = checkpoint(
-                        step, {k: v for k, v in metrics.items() if not k.startswith(("time/", "cost/"))}, *state, ema
-                    )
-            bar.update(
-                task,
-                advance=1,
-                total=progress_total(budget, step, cfg.train.num_iterations, stopping=last),
-                description=f"reward {metrics['reward/mean']:.3f}" + (f" · {rt.describe()}" if rt is not None else ""),
-            )
-            if out_of_time:
-                console.print(
-                    f"train.max_minutes={cfg.train.max_minutes}: iteration {step + 1} would not end in time; stopping "
-                    f"after {step}"
-                )
-                break
-            if at_target and step < cfg.train.num_iterations:
-                console.print(f"eval.stop_at={cfg.eval.stop_at}: the held-out reward reached it; stopping after {step}")
-                break
-
-    charge_cost()  # the last checkpoint's time
-    summary = _summary(history, start_iter, budget.elapsed_s(), last_ckpt)
-    if ledger is None:
+    def finish(self) -> dict:
+        self.charge_cost()  # the last checkpoint's time
+        summary = _summary(self.history, self.start_iter, self.budget.elapsed_s(), self.last_ckpt)
+        if self.ledger is None:
+            return summary
+        summary["usd_total"] = round(self.ledger.summary()["usd_total"], 4)
+        _print_summary(self.console, summary)
         return summary
-    summary["usd_total"] = round(ledger.summary()["usd_total"], 4)
-    _print_summary(console, summary)
-    return summary
 
 
-class LocalWeightsSource:
-    """The trainable weights for the explorers, copied to the CPU when called (one process or full
-    replicas): the optimizer step that follows does not change what the explorers load."""
-
-    def __init__(self, policy):
-        self.policy = policy
-        self.copies = 0
-
-    def __call__(self) -> dict[str, torch.Tensor]:
-        self.copies += 1
-        return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.policy).items()}
-
-    def settle(self) -> None:
-        pass  # nothing to join: no other rank takes part
-
-
-class ShardedWeightsSource:
-    """The full trainable weights for the explorers under FSDP, gathered only when they are used.
-
-    Gathering is a collective, but only rank 0 holds the explorers and knows whether its planner
-    gave them candidates (with no live explorer, or a budget below a group, it does not). So rank
-    0's call (from inside `Exploration`, only when there are jobs) first tells the other ranks
-    "gather" and then gathers; `settle()`, which every rank calls once `Exploration` is done,
-    tells them "no gather" if no call came, and on the other ranks listens and joins the gather
-    when told. Every rank thus runs the same collectives in the same order: one broadcast, then
-    the gather or nothing. With `needed` False (no window can open) nothing is exchanged at all.
-    """
-
-    def __init__(self, dp, policy, needed: bool):
-        self.dp, self.policy, self.needed = dp, policy, needed
-        self.copies = 0  # gathers: 0 or 1
-        self._full: dict[str, torch.Tensor] | None = None
-
-    def __call__(self) -> dict[str, torch.Tensor] | None:
-        assert self.needed and self.dp.is_main, (
-            "only rank 0's explorers take the weights, and only when a window may open"
-        )
-        if not self.copies:
-            self.dp.broadcast_object(True)
-            self._full = gather_trainable_weights(self.dp, self.policy)
-            self.copies = 1
-        return self._full
-
-    def settle(self) -> None:
-        if not self.needed:
-            return
-        if self.dp.is_main:
-            if not self.copies:
-                self.dp.broadcast_object(False)
-        elif self.dp.broadcast_object(None):
-            gather_trainable_weights(self.dp, self.policy)
-            self.copies = 1
+def _reward_metrics(reward: RewardResult, adv, stats: dict) -> dict:
+    valid = reward.total_B[~torch.isnan(reward.total_B)]
+    return {
+        "reward/mean": float(valid.mean()) if len(valid) else float("nan"),
+        "reward/std": float(valid.std(unbiased=False)) if len(valid) else float("nan"),
+        "reward/num_failed": reward.num_failed,
+        "grpo/zero_variance_groups": adv.num_zero_variance_groups,
+        "grpo/dropped_samples": adv.num_dropped_samples,
+        **{f"reward/{k}": float(v[~torch.isnan(v)].mean()) for k, v in reward.components.items()},
+        **{f"grpo/{k}": v for k, v in stats.items()},
+    }
 
 
 def _first(ro: Rollout, num: int) -> Rollout:

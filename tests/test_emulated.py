@@ -12,7 +12,7 @@ from test_explore import check_selection, read_log, tiny_recipe
 import spotlight.jobs
 from spotlight.core.tracking import read_metrics
 from spotlight.emulated import EmulatedExplorers
-from spotlight.explore import ExploreJob, ExploreResult
+from spotlight.seed_selection import ExploreJob, ExploreResult
 
 
 class FakeClock:

@@ -30,10 +30,9 @@ from spotlight.config import DiTRecipe
 from spotlight.core.config_io import from_dict
 from spotlight.core.seeds import derive_seed
 from spotlight.core.tracking import read_metrics
-from spotlight.explore import (
-    LOG_FILE,
+from spotlight.explore import LOG_FILE, Exploration
+from spotlight.seed_selection import (
     BudgetModel,
-    Exploration,
     ExploreJob,
     ExploreResult,
     candidate_seeds,
@@ -73,21 +72,25 @@ def test_candidates_extend_the_default_seeds_and_plan_iteration_is_pure():
 
 def test_which_call_publishes_the_weights_per_mode_and_window():
     """Exactly one of the two publish points serves each window; every rank computes the same."""
+
     # inline: before the rollout, from iteration 1 on (nothing is timed at iteration 0).
-    assert [publishes_before_rollout("inline", k) for k in (0, 1)] == [False, True]
-    assert not publishes_before_update("inline", True)
+    def when(window, k, has_next):
+        return dict(window=window, iteration=k, has_next_batch=has_next)
+
+    assert [publishes_before_rollout("inline", **when("update", k, True)) for k in (0, 1)] == [False, True]
+    assert not publishes_before_update("inline", **when("update", 1, True))
     for window in ("update", "iteration"):
         for k in (0, 1, 5):
             for has_next in (False, True):
-                early = publishes_before_rollout("stale", k, window, has_next)
-                late = publishes_before_update("stale", has_next, window, k)
-                assert early == opens_before_rollout("stale", window, k, has_next)
+                early = publishes_before_rollout("stale", **when(window, k, has_next))
+                late = publishes_before_update("stale", **when(window, k, has_next))
+                assert early == opens_before_rollout("stale", **when(window, k, has_next))
                 # A next batch gets exactly one window; the last iteration none.
                 assert early + late == int(has_next), (window, k, has_next)
                 # "iteration" opens before the rollout except at iteration 0 (no rollout timed yet).
                 assert early == (window == "iteration" and k > 0 and has_next)
-    assert not any(publishes_before_rollout("none", k, "iteration", True) for k in (0, 3))
-    assert not publishes_before_update("none", True, "iteration", 3)
+    assert not any(publishes_before_rollout("none", **when("iteration", k, True)) for k in (0, 3))
+    assert not publishes_before_update("none", **when("iteration", 3, True))
 
 
 def test_budget_is_step_time_times_throughput_with_flagged_guesses():

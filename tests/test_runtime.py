@@ -450,8 +450,8 @@ def uninterrupted(policy, job: Job) -> torch.Tensor:
 def test_a_runner_resumed_from_a_commit_gives_the_uninterrupted_bits(tiny_model_dir):
     """Rollout and exploration jobs: start, 3 steps, commit; a second runner resumes from the
     commit and finishes; the output equals the uninterrupted job's (and the trainer's rollout)."""
-    from spotlight.explore import ExploreJob
     from spotlight.jobs import DiTRunner
+    from spotlight.seed_selection import ExploreJob
 
     cfg = tiny_cfg(tiny_model_dir)
     first, second = DiTRunner(cfg), DiTRunner(cfg)

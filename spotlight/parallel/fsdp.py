@@ -1,5 +1,6 @@
 """The DiT policy under data parallelism and FSDP: its transformer sharded, its training state
-gathered to rank 0 in the one-process layout and loaded back (a checkpoint's). The pieces both
+gathered to rank 0 in the one-process layout and loaded back (a checkpoint's), and its weights
+handed to the explorers (`LocalWeightsSource`, `ShardedWeightsSource`). The pieces both
 paths share (process groups, `shard_module`, the sharded gathers) are `spotlight.core.distributed`.
 """
 
@@ -62,3 +63,59 @@ def load_train_state(
         optimizer.load_state_dict(optim_state)
         return
     load_sharded_train_state(dp, policy.transformer, policy.has_lora, optimizer, weights, optim_state)
+
+
+class LocalWeightsSource:
+    """The trainable weights for the explorers, copied to the CPU when called (one process or full
+    replicas): the optimizer step that follows does not change what the explorers load."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.copies = 0
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        from spotlight.policy import trainable_state
+
+        self.copies += 1
+        return {k: v.detach().to("cpu", copy=True) for k, v in trainable_state(self.policy).items()}
+
+    def settle(self) -> None:
+        pass  # nothing to join: no other rank takes part
+
+
+class ShardedWeightsSource:
+    """The full trainable weights for the explorers under FSDP, gathered only when they are used.
+
+    Gathering is a collective, but only rank 0 holds the explorers and knows whether its planner
+    gave them candidates (with no live explorer, or a budget below a group, it does not). So rank
+    0's call (from inside `Exploration`, only when there are jobs) first tells the other ranks
+    "gather" and then gathers; `settle()`, which every rank calls once `Exploration` is done,
+    tells them "no gather" if no call came, and on the other ranks listens and joins the gather
+    when told. Every rank thus runs the same collectives in the same order: one broadcast, then
+    the gather or nothing. With `needed` False (no window can open) nothing is exchanged at all.
+    """
+
+    def __init__(self, dp, policy, needed: bool):
+        self.dp, self.policy, self.needed = dp, policy, needed
+        self.copies = 0  # gathers: 0 or 1
+        self._full: dict[str, torch.Tensor] | None = None
+
+    def __call__(self) -> dict[str, torch.Tensor] | None:
+        assert self.needed and self.dp.is_main, (
+            "only rank 0's explorers take the weights, and only when a window may open"
+        )
+        if not self.copies:
+            self.dp.broadcast_object(True)
+            self._full = gather_trainable_weights(self.dp, self.policy)
+            self.copies = 1
+        return self._full
+
+    def settle(self) -> None:
+        if not self.needed:
+            return
+        if self.dp.is_main:
+            if not self.copies:
+                self.dp.broadcast_object(False)
+        elif self.dp.broadcast_object(None):
+            gather_trainable_weights(self.dp, self.policy)
+            self.copies = 1
