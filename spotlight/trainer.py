@@ -1,11 +1,13 @@
-"""The GRPO update of a DiT policy from one rollout (Flow-GRPO, windowed SDE).
+"""The GRPO update of a DiT policy from one rollout: one minibatch loop, two objectives.
 
 Shape legend: B samples, L image tokens, C packed channels, N steps, M minibatch samples.
 
-For every minibatch, the log-prob of each stored stochastic transition x_j -> x_{j+1} is
-recomputed under the current weights with the same `sde_step` the sampler used, the clipped
-surrogate of `grpo.clipped_policy_loss` is taken per step, and gradients accumulate over the
-trained steps before one optimizer step (Flow-GRPO's "gradient accumulation over timesteps").
+`GRPOTrainer.update` walks seeded minibatches of the trainable samples; per minibatch it sums the
+objective's loss over its terms and takes one optimizer step. `FlowGRPOObjective` (windowed SDE):
+a term is a stored stochastic transition x_j -> x_{j+1}, whose log-prob is recomputed under the
+current weights with the same `sde_step` the sampler used for the clipped surrogate of
+`grpo.clipped_policy_loss` (Flow-GRPO's "gradient accumulation over timesteps").
+`NFTObjective` (DiffusionNFT): a term is a noise level at which the final samples are re-noised.
 
 Data parallel (`distributed.py`): the rollout holds this rank's contiguous slice of the samples,
 the advantages are global. Every rank walks the same global minibatches; its loss over its own
@@ -41,7 +43,7 @@ from spotlight.grpo import (
     nft_optimality,
 )
 from spotlight.policy import DiTPolicy
-from spotlight.rollout import AUTOCAST_DTYPES, PromptBatch, Rollout, encode, guided_velocity, resolve_train_autocast
+from spotlight.rollout import AUTOCAST_DTYPES, Rollout, encode, guided_velocity, resolve_train_autocast
 from spotlight.sampling import stochastic_step
 
 
@@ -169,176 +171,176 @@ class GRPOTrainer:
         """One GRPO update on a rollout whose samples are ordered prompt-major (P groups of G).
 
         With data parallelism `ro` holds this rank's slice `dp.shard(P * G)` and `adv` the whole batch.
+        The objective (`train.objective`) is a loss over one term of a minibatch (a stochastic step
+        for "flow_grpo", a noise level for "nft"); this loop is the same for both: per inner epoch
+        a seeded order of the trainable samples, per minibatch the terms' losses accumulated, then
+        one optimizer step.
         """
-        cfg = self.cfg
-        traj = ro.trajectory
-        # Advantages come from the rewards, on the CPU; the log-probs they weigh are on the policy's device.
-        adv_B = adv.adv_PG.reshape(-1).to(self.policy.device)
-        lo, hi = self.dp.shard(len(adv_B))
+        tcfg = self.cfg.train
+        lo, hi = self.dp.shard(adv.adv_PG.numel())
         assert hi - lo == len(ro.prompts), (lo, hi, len(ro.prompts))
         trainable = torch.nonzero(adv.trainable_PG.reshape(-1)).squeeze(1)
-        keys = ["loss", "clip_frac", "approx_kl_old"] + (["kl_ref"] if cfg.train.beta > 0 else [])
-        stats: dict[str, list[float]] = {k: [] for k in keys}
-        grad_norms: list[float] = []
         if len(trainable) == 0:
             return {"num_trained_samples": 0.0}
-        batch = encode(self.policy, ro.prompts, cfg.sample.guidance_scale, cfg.sample.negative_prompt)
-        if cfg.train.objective == "nft":
-            return self._nft_update(ro, adv, batch, iteration)
-        steps = traj.sde_steps
-        self.policy.transformer.train()
-        for epoch in range(cfg.train.num_inner_epochs):
-            gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, iteration, epoch, 7))
-            order = trainable[torch.randperm(len(trainable), generator=gen)]
-            for start in range(0, len(order), cfg.train.minibatch_size):
-                idx_M, rows_M, share = self._mine(order[start : start + cfg.train.minibatch_size], lo, hi)
-                mb = batch.select(rows_M)
-                self.optimizer.zero_grad(set_to_none=True)
-                for j in steps:
-                    if len(idx_M) == 0:
-                        # None of this minibatch is on this rank: it adds zero to the sums.
-                        for k in keys:
-                            stats[k].append(0.0)
-                        continue
-                    x_MLC = traj.latents[j][rows_M]
-                    x_next_MLC = traj.latents[j + 1][rows_M]
-                    sigma_M = traj.sigmas[j].expand(len(idx_M))
-                    v = guided_velocity(self.policy, x_MLC, sigma_M, mb, cfg.sample.guidance_scale)
-                    out = stochastic_step(
-                        cfg.sample.sde_type,
-                        v,
-                        x_MLC,
-                        traj.sigmas[j],
-                        traj.sigmas[j + 1],
-                        cfg.sample.noise_level,
-                        prev_sample=x_next_MLC,
-                    )
-                    loss, s = clipped_policy_loss(
-                        out.log_prob, traj.log_probs[j][rows_M], adv_B[idx_M], cfg.train.clip_range
-                    )
-                    if cfg.train.beta > 0:
-                        with torch.no_grad(), self._reference():
-                            v_ref = guided_velocity(self.policy, x_MLC, sigma_M, mb, cfg.sample.guidance_scale)
-                            ref = stochastic_step(
-                                cfg.sample.sde_type,
-                                v_ref,
-                                x_MLC,
-                                traj.sigmas[j],
-                                traj.sigmas[j + 1],
-                                cfg.sample.noise_level,
-                                prev_sample=x_next_MLC,
-                            )
-                        kl = gaussian_mean_kl(out.mean, ref.mean, out.std).mean()
-                        loss = loss + cfg.train.beta * kl
-                        stats["kl_ref"].append(share * kl.item())
-                    (loss * share / len(steps)).backward()
-                    stats["loss"].append(share * loss.item())
-                    stats["clip_frac"].append(share * s["clip_frac"])
-                    stats["approx_kl_old"].append(share * s["approx_kl_old"])
-                self._step(grad_norms)
-        self.policy.transformer.eval()
-        return self._summary(stats, grad_norms, len(trainable))
-
-    def _nft_update(self, ro: Rollout, adv: Advantages, batch: PromptBatch, iteration: int) -> dict[str, float]:
-        """DiffusionNFT update (Zheng et al. 2025, arXiv 2509.16117, Eq. 6-8) on the final samples.
-
-        Each clean sample x0 is re-noised on the forward process, x_s = (1 - s) x0 + s eps, at
-        noise levels s drawn from the rollout schedule; its flow-matching target is eps - x0. With
-        v_old the velocity of the weights that sampled the rollout, the implicit positive and
-        negative policies are v+ = (1 - beta) v_old + beta v and v- = (1 + beta) v_old - beta v,
-        and the loss is r ||v+ - target||^2 + (1 - r) ||v- - target||^2 with the optimality
-        r = 0.5 + 0.5 clip(A / A_max, -1, 1) from the group advantage A. The gradient moves v
-        toward the targets of better-than-average samples and away from worse ones, by a
-        denoising loss rather than a likelihood ratio: it needs no SDE log-probs, so rollouts may
-        use any sampler (the ODE one included, which is what evaluation uses).
-        """
-        cfg = self.cfg
-        tcfg = cfg.train
-        traj = ro.trajectory
-        x0_BLC = traj.final
-        device = x0_BLC.device
-        schedule = traj.sigmas[:-1]
-        num_groups, group_size = adv.adv_PG.shape
-        adv_B = adv.adv_PG.reshape(-1).to(device)
-        lo, hi = self.dp.shard(len(adv_B))
-        trainable = torch.nonzero(adv.trainable_PG.reshape(-1)).squeeze(1)
-        # The sampling weights, for v_old after the first optimizer step (a copy only when needed;
-        # under FSDP a clone of this rank's shards).
-        num_steps = tcfg.num_inner_epochs * math.ceil(len(trainable) / tcfg.minibatch_size)
-        old = None
-        if num_steps > 1:
-            old = (
-                self._shards()
-                if self.dp.sharded
-                else copy.deepcopy(self.policy.transformer).requires_grad_(False).eval()
-            )
-        first_step = True
-        r_B = nft_optimality(adv_B, tcfg.nft_adv_max)
-        keys = ["loss", "nft_pos_err", "nft_neg_err"] + (["kl_ref"] if tcfg.beta > 0 else [])
-        stats: dict[str, list[float]] = {k: [] for k in keys}
+        batch = encode(self.policy, ro.prompts, self.cfg.sample.guidance_scale, self.cfg.sample.negative_prompt)
+        objective_cls = NFTObjective if tcfg.objective == "nft" else FlowGRPOObjective
+        objective = objective_cls(self, ro, adv, iteration, num_trainable=len(trainable))
+        stats: dict[str, list[float]] = {k: [] for k in objective.keys}
         grad_norms: list[float] = []
         self.policy.transformer.train()
-        noise_gen = torch.Generator().manual_seed(derive_seed(tcfg.seed, iteration, 13))
-        shape = (tcfg.num_inner_epochs, num_groups, tcfg.nft_num_timesteps)
-        # Drawn on the CPU (the same levels and noise on every device), then moved to the latents.
-        sigma_EPK = schedule[nft_level_indices(len(schedule), shape, tcfg.nft_timestep_sampling, noise_gen)].to(device)
-        eps_EPKLC = torch.randn(*shape, *x0_BLC.shape[1:], generator=noise_gen).to(device)
         for epoch in range(tcfg.num_inner_epochs):
-            gen = torch.Generator().manual_seed(derive_seed(tcfg.seed, iteration, epoch, 11))
+            gen = torch.Generator().manual_seed(derive_seed(tcfg.seed, iteration, epoch, objective.order_stream))
             order = trainable[torch.randperm(len(trainable), generator=gen)]
             for start in range(0, len(order), tcfg.minibatch_size):
                 idx_M, rows_M, share = self._mine(order[start : start + tcfg.minibatch_size], lo, hi)
                 mb = batch.select(rows_M)
                 self.optimizer.zero_grad(set_to_none=True)
-                for k in range(tcfg.nft_num_timesteps):
+                for term in objective.terms:
                     if len(idx_M) == 0:
                         # None of this minibatch is on this rank: it adds zero to the sums.
-                        for key in keys:
+                        for key in objective.keys:
                             stats[key].append(0.0)
                         continue
-                    # Common random numbers: the samples of one group share their noise level and
-                    # noise, so the group-centred weights (2 r - 1) cancel the part of the
-                    # flow-matching gradient that does not depend on the sample.
-                    group_M = idx_M // group_size
-                    sigma_M = sigma_EPK[epoch, group_M, k]
-                    x0 = x0_BLC[rows_M]
-                    eps = eps_EPKLC[epoch, group_M, k]
-                    s = sigma_M.reshape(-1, 1, 1)
-                    x_s = (1 - s) * x0 + s * eps
-                    target = eps - x0
-                    with self._amp():
-                        v = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
-                    if first_step:
-                        # No optimizer step yet: the current weights are the sampling weights.
-                        v_old = v.detach()
-                    else:
-                        if self.dp.sharded:
-                            old_weights = swapped_shards(self.policy.transformer, self.params, old)
-                        else:
-                            old_weights = self._swapped(old)
-                        with torch.no_grad(), old_weights, self._amp():
-                            v_old = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
-                    loss, s_nft = nft_loss(
-                        v,
-                        v_old,
-                        target,
-                        r_B[idx_M],
-                        tcfg.nft_beta,
-                        sigma_B=sigma_M if tcfg.nft_weighting == "adaptive" else None,
-                    )
-                    if tcfg.beta > 0:
-                        # KL to the reference in velocity space (the Gaussian-step KL up to a
-                        # per-noise-level factor): ||v - v_ref||^2, averaged.
-                        with torch.no_grad(), self._reference(), self._amp():
-                            v_ref = guided_velocity(self.policy, x_s, sigma_M, mb, cfg.sample.guidance_scale).float()
-                        kl = (v - v_ref).square().mean()
-                        loss = loss + tcfg.beta * kl
-                        stats["kl_ref"].append(share * kl.item())
-                    (loss * share / tcfg.nft_num_timesteps).backward()
-                    stats["loss"].append(share * loss.item())
-                    stats["nft_pos_err"].append(share * s_nft["nft_pos_err"])
-                    stats["nft_neg_err"].append(share * s_nft["nft_neg_err"])
+                    loss, term_stats = objective.loss(epoch, term, idx_M, rows_M, mb)
+                    (loss * share / len(objective.terms)).backward()
+                    for key, value in term_stats.items():
+                        stats[key].append(share * value)
                 self._step(grad_norms)
-                first_step = False
+                objective.stepped()
         self.policy.transformer.eval()
         return self._summary(stats, grad_norms, len(trainable))
+
+
+class FlowGRPOObjective:
+    """Flow-GRPO (Liu et al. 2025): per stochastic step j of the rollout, the clipped surrogate of
+    the recomputed log-prob of x_j -> x_{j+1} (`grpo.clipped_policy_loss`), plus beta times the
+    Gaussian KL of the step means to the reference's."""
+
+    order_stream = 7  # derive_seed stream of the minibatch order
+
+    def __init__(self, trainer: GRPOTrainer, ro: Rollout, adv: Advantages, iteration: int, *, num_trainable: int):
+        self.trainer, self.cfg, self.traj = trainer, trainer.cfg, ro.trajectory
+        # Advantages come from the rewards, on the CPU; the log-probs they weigh are on the policy's device.
+        self.adv_B = adv.adv_PG.reshape(-1).to(trainer.policy.device)
+        self.terms = self.traj.sde_steps
+        self.keys = ["loss", "clip_frac", "approx_kl_old"] + (["kl_ref"] if self.cfg.train.beta > 0 else [])
+
+    def _step(self, j: int, x_MLC, x_next_MLC, mb):
+        cfg, traj, policy = self.cfg, self.traj, self.trainer.policy
+        v = guided_velocity(policy, x_MLC, traj.sigmas[j].expand(len(x_MLC)), mb, cfg.sample.guidance_scale)
+        return stochastic_step(
+            cfg.sample.sde_type,
+            v,
+            x_MLC,
+            traj.sigmas[j],
+            traj.sigmas[j + 1],
+            cfg.sample.noise_level,
+            prev_sample=x_next_MLC,
+        )
+
+    def loss(self, epoch: int, j: int, idx_M, rows_M, mb) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg, traj = self.cfg, self.traj
+        x_MLC, x_next_MLC = traj.latents[j][rows_M], traj.latents[j + 1][rows_M]
+        out = self._step(j, x_MLC, x_next_MLC, mb)
+        loss, s = clipped_policy_loss(out.log_prob, traj.log_probs[j][rows_M], self.adv_B[idx_M], cfg.train.clip_range)
+        stats = {"clip_frac": s["clip_frac"], "approx_kl_old": s["approx_kl_old"]}
+        if cfg.train.beta > 0:
+            with torch.no_grad(), self.trainer._reference():
+                ref = self._step(j, x_MLC, x_next_MLC, mb)
+            kl = gaussian_mean_kl(out.mean, ref.mean, out.std).mean()
+            loss = loss + cfg.train.beta * kl
+            stats["kl_ref"] = kl.item()
+        stats["loss"] = loss.item()
+        return loss, stats
+
+    def stepped(self) -> None:
+        pass
+
+
+class NFTObjective:
+    """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117, Eq. 6-8) on the final samples.
+
+    Each clean sample x0 is re-noised on the forward process, x_s = (1 - s) x0 + s eps, at noise
+    levels s drawn from the rollout schedule; its flow-matching target is eps - x0. With v_old the
+    velocity of the weights that sampled the rollout, the implicit positive and negative policies
+    are v+ = (1 - beta) v_old + beta v and v- = (1 + beta) v_old - beta v, and the loss is
+    r ||v+ - target||^2 + (1 - r) ||v- - target||^2 with the optimality r = 0.5 + 0.5 clip(A / A_max,
+    -1, 1) from the group advantage A. The gradient moves v toward the targets of better-than-average
+    samples and away from worse ones, by a denoising loss rather than a likelihood ratio: it needs no
+    SDE log-probs, so rollouts may use any sampler (the ODE one included, which is what evaluation
+    uses). A term is one of the train.nft_num_timesteps noise levels.
+    """
+
+    order_stream = 11  # derive_seed stream of the minibatch order
+
+    def __init__(self, trainer: GRPOTrainer, ro: Rollout, adv: Advantages, iteration: int, *, num_trainable: int):
+        self.trainer, self.cfg = trainer, trainer.cfg
+        tcfg = self.cfg.train
+        self.x0_BLC = ro.trajectory.final
+        device = self.x0_BLC.device
+        schedule = ro.trajectory.sigmas[:-1]
+        num_groups, self.group_size = adv.adv_PG.shape
+        self.r_B = nft_optimality(adv.adv_PG.reshape(-1).to(device), tcfg.nft_adv_max)
+        # The sampling weights, for v_old after the first optimizer step (a copy only when needed;
+        # under FSDP a clone of this rank's shards).
+        num_steps = tcfg.num_inner_epochs * math.ceil(num_trainable / tcfg.minibatch_size)
+        self.old = None
+        if num_steps > 1:
+            self.old = (
+                trainer._shards()
+                if trainer.dp.sharded
+                else copy.deepcopy(trainer.policy.transformer).requires_grad_(False).eval()
+            )
+        self.first_step = True
+        self.terms = range(tcfg.nft_num_timesteps)
+        self.keys = ["loss", "nft_pos_err", "nft_neg_err"] + (["kl_ref"] if tcfg.beta > 0 else [])
+        noise_gen = torch.Generator().manual_seed(derive_seed(tcfg.seed, iteration, 13))
+        shape = (tcfg.num_inner_epochs, num_groups, tcfg.nft_num_timesteps)
+        # Drawn on the CPU (the same levels and noise on every device), then moved to the latents.
+        levels = nft_level_indices(len(schedule), shape, tcfg.nft_timestep_sampling, noise_gen)
+        self.sigma_EPK = schedule[levels].to(device)
+        self.eps_EPKLC = torch.randn(*shape, *self.x0_BLC.shape[1:], generator=noise_gen).to(device)
+
+    def _velocity(self, x_s, sigma_M, mb) -> torch.Tensor:
+        with self.trainer._amp():
+            return guided_velocity(self.trainer.policy, x_s, sigma_M, mb, self.cfg.sample.guidance_scale).float()
+
+    def loss(self, epoch: int, k: int, idx_M, rows_M, mb) -> tuple[torch.Tensor, dict[str, float]]:
+        tcfg, trainer = self.cfg.train, self.trainer
+        # Common random numbers: the samples of one group share their noise level and noise, so the
+        # group-centred weights (2 r - 1) cancel the part of the flow-matching gradient that does
+        # not depend on the sample.
+        group_M = idx_M // self.group_size
+        sigma_M = self.sigma_EPK[epoch, group_M, k]
+        x0 = self.x0_BLC[rows_M]
+        eps = self.eps_EPKLC[epoch, group_M, k]
+        s = sigma_M.reshape(-1, 1, 1)
+        x_s = (1 - s) * x0 + s * eps
+        target = eps - x0
+        v = self._velocity(x_s, sigma_M, mb)
+        if self.first_step:
+            # No optimizer step yet: the current weights are the sampling weights.
+            v_old = v.detach()
+        else:
+            if trainer.dp.sharded:
+                old_weights = swapped_shards(trainer.policy.transformer, trainer.params, self.old)
+            else:
+                old_weights = trainer._swapped(self.old)
+            with torch.no_grad(), old_weights:
+                v_old = self._velocity(x_s, sigma_M, mb)
+        adaptive = tcfg.nft_weighting == "adaptive"
+        loss, s_nft = nft_loss(v, v_old, target, self.r_B[idx_M], tcfg.nft_beta, sigma_B=sigma_M if adaptive else None)
+        stats = {"nft_pos_err": s_nft["nft_pos_err"], "nft_neg_err": s_nft["nft_neg_err"]}
+        if tcfg.beta > 0:
+            # KL to the reference in velocity space (the Gaussian-step KL up to a per-noise-level
+            # factor): ||v - v_ref||^2, averaged.
+            with torch.no_grad(), trainer._reference():
+                v_ref = self._velocity(x_s, sigma_M, mb)
+            kl = (v - v_ref).square().mean()
+            loss = loss + tcfg.beta * kl
+            stats["kl_ref"] = kl.item()
+        stats["loss"] = loss.item()
+        return loss, stats
+
+    def stepped(self) -> None:
+        self.first_step = False
