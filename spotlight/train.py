@@ -28,21 +28,20 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from spot.localray import spot_gpus_held
 from spotlight.config import DiTRecipe
 from spotlight.core.advantages import group_advantages
 from spotlight.core.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
-from spotlight.core.config_io import dump_yaml, save_config, to_dict
+from spotlight.core.config_io import dump_yaml, save_config
 from spotlight.core.cost import CostLedger
 from spotlight.core.distributed import DataParallel, init_data_parallel, load_resume_checkpoint, torch_threads
 from spotlight.core.optim import run_cooldown_scale
@@ -50,7 +49,7 @@ from spotlight.core.rewards import RewardResult, gather_rewards
 from spotlight.core.runlock import RunLock, remove_if_empty_run
 from spotlight.core.seeds import derive_seed
 from spotlight.core.time_budget import IterationBudget, progress_total
-from spotlight.core.tracking import Tracker
+from spotlight.core.tracking import iteration_progress, run_tracker
 from spotlight.evaluate import evaluate
 from spotlight.explore import Exploration, NullExploration, start_exploration
 from spotlight.mirror import CheckpointMirror
@@ -317,29 +316,13 @@ class _Run:
 
     def tracking(self):
         """The run's tracker (metrics.jsonl, wandb, images) on rank 0; nothing on the others."""
-        cfg = self.cfg
-        if not self.dp.is_main:
-            return nullcontext()
-        return Tracker(
-            self.run_dir,
-            project=cfg.log.wandb_project,
-            run_name=cfg.name,
-            mode=cfg.log.wandb_mode,
-            config=to_dict(cfg),
-            resume_step=self.start_iter,
-        )
+        return run_tracker(self.run_dir, self.cfg, is_main=self.dp.is_main, resume_step=self.start_iter)
 
     @contextmanager
     def progress_bar(self):
-        columns = [
-            TextColumn("[bold]GRPO"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.description}"),
-        ]
-        with Progress(*columns, console=self.console) as bar:
-            self.task = bar.add_task("", total=self.cfg.train.num_iterations, completed=self.start_iter)
+        total = self.cfg.train.num_iterations
+        with iteration_progress(self.console, "GRPO", total=total, completed=self.start_iter) as (bar, task):
+            self.task = task
             yield bar
 
     # -- one iteration ------------------------------------------------------------------------------

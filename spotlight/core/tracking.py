@@ -11,6 +11,7 @@ resuming from an earlier checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -22,6 +23,7 @@ from types import TracebackType
 import torch
 from PIL import Image
 
+from spotlight.core.config_io import to_dict
 from spotlight.core.files import read_jsonl, read_jsonl_cut_off
 
 METRICS_FILE = "metrics.jsonl"
@@ -279,3 +281,34 @@ class Tracker:
         tb: TracebackType | None,
     ) -> None:
         self.finish(exit_code=0 if exc_type is None else 1)
+
+
+def run_tracker(run_dir: str | os.PathLike, cfg, *, is_main: bool, resume_step: int):
+    """A training run's tracker (metrics.jsonl, wandb, images) from its recipe's `log` section, on
+    the rank that writes (`is_main`); a context that does nothing on the others."""
+    if not is_main:
+        return contextlib.nullcontext()
+    return Tracker(
+        run_dir,
+        project=cfg.log.wandb_project,
+        run_name=cfg.name,
+        mode=cfg.log.wandb_mode,
+        config=to_dict(cfg),
+        resume_step=resume_step,
+    )
+
+
+@contextlib.contextmanager
+def iteration_progress(console, title: str, *, total: int, completed: int):
+    """A training loop's progress bar on `console`: yields (bar, task id) for `bar.update(task, ...)`."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = [
+        TextColumn(f"[bold]{title}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+    ]
+    with Progress(*columns, console=console) as bar:
+        yield bar, bar.add_task("", total=total, completed=completed)
