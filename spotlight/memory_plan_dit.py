@@ -199,47 +199,58 @@ def dit_train_bytes_per_sample(
 # -- DiT roles -------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Sizes:
+    """The sizes every DiT role is computed from, for one recipe under one layout."""
+
+    a: int  # bytes per activation element
+    k: int  # FSDP degree
+    img_tokens: int
+    txt_tokens: int
+    channels: int
+    cfg_factor: int  # 2 with CFG: a conditional and an unconditional forward
+    num_samples: int  # P x G
+    local_samples: int  # this data-parallel rank's
+    per_forward: int  # samples per training forward
+    img_per_gpu: int  # image tokens per GPU of an SP group
+    lora_params: int
+    trained: int  # parameters that train (the adapter, or the transformer)
+    trainable: int  # of those, the ones with a gradient
+    t_bytes: int  # bytes per trained parameter
+    base: float  # the transformer's weights per GPU
+
+    @staticmethod
+    def of(cfg, m: DiTModel, layout: Layout, txt_tokens: int) -> _Sizes:
+        tc = cfg.train
+        lat_h, lat_w = cfg.model.height // m.downsample, cfg.model.width // m.downsample
+        img_tokens = (lat_h // 2) * (lat_w // 2)
+        num_samples = tc.prompts_per_iteration * tc.group_size
+        lora_params = layout.lora_rank * m.lora_params_per_rank
+        trained = lora_params if layout.lora_rank else m.transformer_params
+        dead = layout.lora_rank * m.dead_lora_per_rank if layout.lora_rank else m.dead_params
+        return _Sizes(
+            a=DTYPE_BYTES[cfg.model.dtype],
+            k=layout.fsdp,
+            img_tokens=img_tokens,
+            txt_tokens=txt_tokens,
+            channels=m.latent_channels * 4,
+            cfg_factor=2 if cfg.sample.guidance_scale > 1 else 1,
+            num_samples=num_samples,
+            local_samples=math.ceil(num_samples / layout.dp),
+            per_forward=math.ceil(min(tc.minibatch_size, num_samples) / layout.dp),
+            img_per_gpu=math.ceil(img_tokens / layout.sp),
+            lora_params=lora_params,
+            trained=trained,
+            trainable=trained - dead,
+            t_bytes=DTYPE_BYTES[cfg.model.dtype] if not layout.lora_rank else m.lora_bytes_per_param,
+            base=m.transformer_bytes / layout.fsdp,
+        )
+
+
 def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_tokens: int) -> tuple[list[Role], dict]:
     """The trainer, rollout and explorer of a DiT recipe under `layout`."""
-    tc, sc = cfg.train, cfg.sample
-    a = DTYPE_BYTES[cfg.model.dtype]
-    k = layout.fsdp
-    lat_h, lat_w = cfg.model.height // m.downsample, cfg.model.width // m.downsample
-    img_tokens = (lat_h // 2) * (lat_w // 2)
-    channels = m.latent_channels * 4
-    cfg_factor = 2 if sc.guidance_scale > 1 else 1
-    num_samples = tc.prompts_per_iteration * tc.group_size
-    local_samples = math.ceil(num_samples / layout.dp)
-    per_forward = math.ceil(min(tc.minibatch_size, num_samples) / layout.dp)
-    img_per_gpu = math.ceil(img_tokens / layout.sp)
-
-    # Weights and what training adds to them.
-    lora_params = layout.lora_rank * m.lora_params_per_rank
-    trained = lora_params if layout.lora_rank else m.transformer_params
-    trainable = trained - (
-        layout.lora_rank * m.dead_lora_per_rank if layout.lora_rank else m.dead_params
-    )  # with a gradient
-    t_bytes = a if not layout.lora_rank else m.lora_bytes_per_param
-    base = m.transformer_bytes / k
-    if k > 1:
-        master = trained * 4 / k  # FSDP mixed precision: sharded fp32 master of what trains
-        frozen = 0 if not layout.lora_rank else base
-        weights = Term(
-            "weights",
-            "transformer (FSDP shards + 2 gathered blocks)",
-            frozen + master + 2 * m.block_bytes,
-            f"frozen {cfg.model.dtype} / {k} + fp32 master of {count_str(trained)} trained params / {k}",
-        )
-        grads, moments = trainable * 4 / k, 2 * trainable * 4 / k
-    else:
-        weights = Term(
-            "weights",
-            "transformer" + (f" + LoRA r={layout.lora_rank}" if layout.lora_rank else ""),
-            m.transformer_bytes + lora_params * m.lora_bytes_per_param * bool(layout.lora_rank),
-            f"{count_str(m.transformer_params)} params x {a} B"
-            + (f" + {count_str(lora_params)} adapter params" if layout.lora_rank else ""),
-        )
-        grads, moments = trainable * t_bytes, 2 * trainable * t_bytes
+    z = _Sizes.of(cfg, m, layout, txt_tokens)
+    weights, train_state = _trained_weights(cfg, m, layout, z)
     frozen_parts = [
         Term("weights", "prompt encoder (frozen)", m.text_encoder_bytes, f"Qwen2.5-VL in {cfg.model.dtype}"),
         Term("weights", "VAE (frozen)", m.vae_bytes, "decoder + encoder" if m.vae_bytes else "parameter-free codec"),
@@ -248,120 +259,162 @@ def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_
             for r in rewards
         ],
     ]
+    copies = _weight_copies(cfg, m, z)
+    per_sample = dit_train_bytes_per_sample(
+        m, z.a, layout.lora_rank, layout.gradient_checkpointing, z.img_per_gpu, txt_tokens
+    )
+    # A sample split over an SP group: each GPU holds 1/sp of the image tokens of every sample of its group.
+    acts = Term(
+        "activations",
+        "saved for backward",
+        z.cfg_factor * z.per_forward * per_sample,
+        f"{z.cfg_factor * z.per_forward} sample(s) per forward x {(z.img_per_gpu + txt_tokens)} tokens"
+        + (" (checkpointed)" if layout.gradient_checkpointing else "")
+        + f" x {m.num_layers} blocks",
+    )
+    buffers = _rollout_buffers(cfg, m, z)
+    trainer = Role(
+        "trainer",
+        f"{layout.gpus} on-demand GPU(s), the update",
+        [weights, *frozen_parts, *copies, *train_state, acts, *buffers],
+    )
+    # The rank samples in chunks of sample.batch_size, encodes its distinct prompts at once and
+    # decodes all its samples at once (`rollout.rollout`).
+    ro_batch = min(cfg.sample.batch_size, z.local_samples)
+    ro_work = _sampling_term(
+        cfg, m, z, ro_batch, math.ceil(z.local_samples / cfg.train.group_size), z.local_samples, layout.sp
+    )
+    rollout = Role(
+        "rollout",
+        f"the trainer's {layout.gpus} GPU(s), between updates",
+        [weights, *frozen_parts, *[t for t in copies if "reference" in t.name], *train_state, ro_work, buffers[0]],
+        "sampling with theta_k inside `spotlight train`; gradients stay allocated until the next zero_grad",
+    )
+    explorer = _explorer_role(cfg, m, z, layout, frozen_parts)
+    shapes = {
+        "image_tokens": z.img_tokens,
+        "text_tokens": txt_tokens,
+        "samples_per_forward": z.cfg_factor * z.per_forward,
+        "samples_per_gpu": z.local_samples,
+        "dtype": cfg.model.dtype,
+        "lora_rank": layout.lora_rank,
+        "gradient_checkpointing": layout.gradient_checkpointing,
+        "sp": layout.sp,
+        "fsdp": layout.fsdp,
+        "data_parallel": layout.dp,
+    }
+    return [trainer, rollout, explorer], shapes
+
+
+def _trained_weights(cfg, m: DiTModel, layout: Layout, z: _Sizes) -> tuple[Term, list[Term]]:
+    """The transformer's weights per GPU, and its gradients and AdamW moments."""
+    k = z.k
+    if k > 1:
+        master = z.trained * 4 / k  # FSDP mixed precision: sharded fp32 master of what trains
+        frozen = 0 if not layout.lora_rank else z.base
+        weights = Term(
+            "weights",
+            "transformer (FSDP shards + 2 gathered blocks)",
+            frozen + master + 2 * m.block_bytes,
+            f"frozen {cfg.model.dtype} / {k} + fp32 master of {count_str(z.trained)} trained params / {k}",
+        )
+        grads, moments = z.trainable * 4 / k, 2 * z.trainable * 4 / k
+    else:
+        weights = Term(
+            "weights",
+            "transformer" + (f" + LoRA r={layout.lora_rank}" if layout.lora_rank else ""),
+            m.transformer_bytes + z.lora_params * m.lora_bytes_per_param * bool(layout.lora_rank),
+            f"{count_str(m.transformer_params)} params x {z.a} B"
+            + (f" + {count_str(z.lora_params)} adapter params" if layout.lora_rank else ""),
+        )
+        grads, moments = z.trainable * z.t_bytes, 2 * z.trainable * z.t_bytes
+    per = f"{4 if k > 1 else z.t_bytes} B" + (f" / {k}" if k > 1 else "")
+    train_state = [
+        Term("gradients", "gradients", grads, f"{count_str(z.trainable)} trained params x {per}"),
+        Term("optimizer", "AdamW moments", moments, f"2 x {count_str(z.trainable)} x {per}"),
+    ]
+    return weights, train_state
+
+
+def _weight_copies(cfg, m: DiTModel, z: _Sizes) -> list[Term]:
+    """The KL reference, the moving average and DiffusionNFT's old policy, where the recipe keeps them."""
+    tc, k, lora = cfg.train, z.k, z.lora_params > 0
     copies = []
-    if tc.beta > 0 and not layout.lora_rank:
+    if tc.beta > 0 and not lora:
         copies.append(
-            Term("weights", "KL reference copy (frozen)", base, "full fine-tune with train.beta > 0: a frozen copy")
+            Term("weights", "KL reference copy (frozen)", z.base, "full fine-tune with train.beta > 0: a frozen copy")
         )
     if tc.ema_decay > 0:
         copies.append(
             Term(
                 "weights",
                 "moving average (train.ema_decay)",
-                trained * 4 / k if k > 1 else trained * t_bytes,
-                f"a copy of the {count_str(trained)} trained params" + (f" (fp32 shards) / {k}" if k > 1 else ""),
+                z.trained * 4 / k if k > 1 else z.trained * z.t_bytes,
+                f"a copy of the {count_str(z.trained)} trained params" + (f" (fp32 shards) / {k}" if k > 1 else ""),
             )
         )
-    num_steps = tc.num_inner_epochs * math.ceil(num_samples / tc.minibatch_size)
+    num_steps = tc.num_inner_epochs * math.ceil(z.num_samples / tc.minibatch_size)
     if tc.objective == "nft" and num_steps > 1:
         copies.append(
             Term(
                 "weights",
                 "old-policy copy (DiffusionNFT)",
-                base + lora_params * m.lora_bytes_per_param / k,
+                z.base + z.lora_params * m.lora_bytes_per_param / k,
                 f"{num_steps} optimizer steps per update: v_old needs the sampling weights",
             )
         )
-    train_state = [
-        Term(
-            "gradients",
-            "gradients",
-            grads,
-            f"{count_str(trainable)} trained params x {4 if k > 1 else t_bytes} B" + (f" / {k}" if k > 1 else ""),
-        ),
-        Term(
-            "optimizer",
-            "AdamW moments",
-            moments,
-            f"2 x {count_str(trainable)} x {4 if k > 1 else t_bytes} B" + (f" / {k}" if k > 1 else ""),
-        ),
-    ]
-    per_sample = dit_train_bytes_per_sample(
-        m, a, layout.lora_rank, layout.gradient_checkpointing, img_per_gpu, txt_tokens
-    )
-    # A sample split over an SP group: each GPU holds 1/sp of the image tokens of every sample of its group.
-    acts = Term(
-        "activations",
-        "saved for backward",
-        cfg_factor * per_forward * per_sample,
-        f"{cfg_factor * per_forward} sample(s) per forward x {(img_per_gpu + txt_tokens)} tokens"
-        + (" (checkpointed)" if layout.gradient_checkpointing else "")
-        + f" x {m.num_layers} blocks",
-    )
-    trajectory = (sc.num_steps + 1) * local_samples * img_tokens * channels * 4 + sc.num_steps * local_samples * 4
-    embeds = local_samples * cfg_factor * txt_tokens * m.joint_dim * a
-    buffers = [
+    return copies
+
+
+def _rollout_buffers(cfg, m: DiTModel, z: _Sizes) -> list[Term]:
+    """The rollout's trajectory and the prompt embeddings the update reads."""
+    sc, n = cfg.sample, z.local_samples
+    trajectory = (sc.num_steps + 1) * n * z.img_tokens * z.channels * 4 + sc.num_steps * n * 4
+    embeds = n * z.cfg_factor * z.txt_tokens * m.joint_dim * z.a
+    return [
         Term(
             "buffers",
             "rollout trajectory",
             trajectory,
-            f"{sc.num_steps + 1} latents x {local_samples} samples x {img_tokens}x{channels} fp32",
+            f"{sc.num_steps + 1} latents x {n} samples x {z.img_tokens}x{z.channels} fp32",
         ),
-        Term("buffers", "prompt embeddings", embeds, f"{local_samples} samples x {txt_tokens} tokens x {m.joint_dim}"),
+        Term("buffers", "prompt embeddings", embeds, f"{n} samples x {z.txt_tokens} tokens x {m.joint_dim}"),
     ]
-    trainer = Role(
-        "trainer",
-        f"{layout.gpus} on-demand GPU(s), the update",
-        [weights, *frozen_parts, *copies, *train_state, acts, *buffers],
-    )
 
-    def sampling(batch: int, prompts: int, decoded: int, sp: int) -> Term:
-        """The no-grad working set: the largest of a sampling forward, the prompt encoder's pass and the VAE decode."""
-        tokens = math.ceil(img_tokens / sp) + txt_tokens
-        sample_ws = batch * tokens * INFERENCE_UNITS * m.dim * a  # CFG's two forwards run one after the other
-        enc_tokens = txt_tokens + 34  # + the template's system prefix, which the encoder reads too
-        encode = prompts * enc_tokens * ((m.text_encoder_layers + 1) * m.text_encoder_width + m.text_encoder_vocab) * a
-        decode = decoded * cfg.model.height * cfg.model.width * m.vae_width * a * 4
-        size, which = max((sample_ws, "sampling"), (encode, "prompt encoding"), (decode, "VAE decode"))
-        how = (
-            f"largest of: sampling {gib_str(sample_ws)} ({batch} x {tokens} tokens), prompt encoding {gib_str(encode)} "
-            f"({prompts} prompts, all hidden states + logits), VAE decode {gib_str(decode)} ({decoded} images, rough)"
-        )
-        return Term("activations", f"no-grad working set ({which})", size, how)
 
-    # The rank samples in chunks of sample.batch_size, encodes its distinct prompts at once and
-    # decodes all its samples at once (`rollout.rollout`).
-    ro_batch = min(sc.batch_size, local_samples)
-    ro_work = sampling(ro_batch, math.ceil(local_samples / tc.group_size), local_samples, layout.sp)
-    rollout_terms = [
-        weights,
-        *frozen_parts,
-        *[t for t in copies if "reference" in t.name],
-        *train_state,
-        ro_work,
-        buffers[0],
-    ]
-    rollout = Role(
-        "rollout",
-        f"the trainer's {layout.gpus} GPU(s), between updates",
-        rollout_terms,
-        "sampling with theta_k inside `spotlight train`; gradients stay allocated until the next zero_grad",
+def _sampling_term(cfg, m: DiTModel, z: _Sizes, batch: int, prompts: int, decoded: int, sp: int) -> Term:
+    """The no-grad working set: the largest of a sampling forward, the prompt encoder's pass and the VAE decode."""
+    a = z.a
+    tokens = math.ceil(z.img_tokens / sp) + z.txt_tokens
+    sample_ws = batch * tokens * INFERENCE_UNITS * m.dim * a  # CFG's two forwards run one after the other
+    enc_tokens = z.txt_tokens + 34  # + the template's system prefix, which the encoder reads too
+    encode = prompts * enc_tokens * ((m.text_encoder_layers + 1) * m.text_encoder_width + m.text_encoder_vocab) * a
+    decode = decoded * cfg.model.height * cfg.model.width * m.vae_width * a * 4
+    size, which = max((sample_ws, "sampling"), (encode, "prompt encoding"), (decode, "VAE decode"))
+    how = (
+        f"largest of: sampling {gib_str(sample_ws)} ({batch} x {tokens} tokens), prompt encoding {gib_str(encode)} "
+        f"({prompts} prompts, all hidden states + logits), VAE decode {gib_str(decode)} ({decoded} images, rough)"
     )
+    return Term("activations", f"no-grad working set ({which})", size, how)
+
+
+def _explorer_role(cfg, m: DiTModel, z: _Sizes, layout: Layout, frozen_parts: list[Term]) -> Role:
+    """One spot GPU's explorer: stale weights, no gradients, a batch of candidates."""
+    sc, ex_batch = cfg.sample, cfg.explore.batch_size
     explorer_weights = Term(
         "weights",
         "transformer" + (" + LoRA" if layout.lora_rank else ""),
-        m.transformer_bytes + lora_params * m.lora_bytes_per_param * bool(layout.lora_rank),
+        m.transformer_bytes + z.lora_params * m.lora_bytes_per_param * bool(layout.lora_rank),
         "stale theta_{k-1}, no gradients",
     )
-    ex_batch = cfg.explore.batch_size
-    ex_traj = (sc.num_steps + 1) * ex_batch * img_tokens * channels * 4
-    explorer = Role(
+    ex_traj = (sc.num_steps + 1) * ex_batch * z.img_tokens * z.channels * 4
+    return Role(
         "explorer",
         "each spot GPU (one Explorer actor)",
         [
             explorer_weights,
             *frozen_parts,
-            sampling(ex_batch, min(ex_batch, tc.prompts_per_iteration), ex_batch, layout.sp),
+            _sampling_term(cfg, m, z, ex_batch, min(ex_batch, cfg.train.prompts_per_iteration), ex_batch, layout.sp),
             Term(
                 "buffers",
                 "candidate trajectories",
@@ -371,19 +424,6 @@ def dit_roles(cfg, m: DiTModel, rewards: list[RewardModel], layout: Layout, txt_
         ],
         "no explorers run with explore.mode=none" if cfg.explore.mode == "none" else "",
     )
-    shapes = {
-        "image_tokens": img_tokens,
-        "text_tokens": txt_tokens,
-        "samples_per_forward": cfg_factor * per_forward,
-        "samples_per_gpu": local_samples,
-        "dtype": cfg.model.dtype,
-        "lora_rank": layout.lora_rank,
-        "gradient_checkpointing": layout.gradient_checkpointing,
-        "sp": layout.sp,
-        "fsdp": layout.fsdp,
-        "data_parallel": layout.dp,
-    }
-    return [trainer, rollout, explorer], shapes
 
 
 # -- entry point ---------------------------------------------------------------------------------
