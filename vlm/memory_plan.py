@@ -180,15 +180,53 @@ def vlm_roles(cfg, m: VLMModel, layout: Layout, prompt_tokens: int, patches: int
     tc, rc = cfg.train, cfg.rollout
     a = DTYPE_BYTES[cfg.model.dtype]
     k, r = layout.fsdp, layout.lora_rank
-    ad = m.lora_bytes_per_param if r else a
-    num_prompts, rows_total = tc.prompts_per_iteration, tc.prompts_per_iteration * tc.group_size
+    rows_total = tc.prompts_per_iteration * tc.group_size
     L, T = prompt_tokens, rc.max_new_tokens
     b = min(tc.micro_batch_size, math.ceil(min(tc.minibatch_size, rows_total) / k))  # FSDP processes split the rows
     vision_trains = cfg.model.train_vision
     lora_params = r * m.lora_params_per_rank
     trainable = lora_params if r else m.params - (0 if vision_trains else m.vision_params)
-    t_bytes = ad if r else a
 
+    resident = _resident_terms(cfg, m, layout, trainable, lora_params)
+    acts, boundary = _update_terms(cfg, m, layout, L, T, b, patches)
+    trainer = Role("trainer", "1 GPU per trainer process, the update", [*resident, *acts, *boundary])
+
+    rows = min(rc.batch_size, rows_total)
+    kv_cache = rows * (L + T) * m.layers * 2 * m.kv_dim * a
+    prefill = rows * L * (5 * m.dim + 2 * m.kv_dim + 3 * m.ffn) * a + rows * m.vocab * 4
+    gen = [
+        Term("activations", "KV cache", kv_cache, f"{rows} rows x {L + T} tokens x {m.layers} layers x 2 x {m.kv_dim}"),
+        Term("activations", "prefill working set", prefill, f"{rows} rows x {L} tokens, one layer at a time (rough)"),
+    ]
+    if tc.schedule == "rollplex":  # the prefixes run during the decode
+        gen += [t for t in acts if t.name.startswith("actor prefix")] + boundary
+    rollout = Role(
+        "rollout",
+        "the trainer's GPU, during generation",
+        [*resident, *gen],
+        "`generate` in the trainer's process; gradients stay allocated until the next zero_grad",
+    )
+    shapes = {
+        "prompt_tokens": L,
+        "response_tokens": T,
+        "patches_per_image": patches,
+        "rows_per_micro_batch": b,
+        "rollout_rows": rows,
+        "schedule": tc.schedule,
+        "dtype": cfg.model.dtype,
+        "lora_rank": r,
+        "train_vision": vision_trains,
+        "fsdp": k,
+    }
+    return [trainer, rollout], shapes
+
+
+def _resident_terms(cfg, m: VLMModel, layout: Layout, trainable: int, lora_params: int) -> list[Term]:
+    """What the trainer's GPU holds in every phase: weights (and the KL reference copy), gradients, moments."""
+    tc, a, k, r = cfg.train, DTYPE_BYTES[cfg.model.dtype], layout.fsdp, layout.lora_rank
+    vision_trains = cfg.model.train_vision
+    ad = m.lora_bytes_per_param if r else a
+    t_bytes = ad if r else a
     if k > 1:
         frozen = (m.bytes if r else (0 if vision_trains else m.vision_params * a)) / k
         weights = Term(
@@ -217,6 +255,15 @@ def vlm_roles(cfg, m: VLMModel, layout: Layout, prompt_tokens: int, patches: int
         Term("optimizer", "AdamW moments", moments, f"2 x {count_str(trainable)} x {gb}"),
     ]
 
+    return resident
+
+
+def _update_terms(cfg, m: VLMModel, layout: Layout, L: int, T: int, b: int, patches: int):
+    """The update's saved activations, and (rollplex) the boundary state the prefixes leave behind."""
+    tc, a, r = cfg.train, DTYPE_BYTES[cfg.model.dtype], layout.lora_rank
+    ad = m.lora_bytes_per_param if r else a
+    num_prompts = tc.prompts_per_iteration
+    vision_trains = cfg.model.train_vision
     per_token = m.layers * layer_bytes_per_token(m, a, r, ad)
     final_norm = m.dim * (4 if r else 4 + a)
     head_in = 0 if r else m.dim * a  # lm_head keeps its input only when it trains
@@ -263,36 +310,7 @@ def vlm_roles(cfg, m: VLMModel, layout: Layout, prompt_tokens: int, patches: int
             ),
             Term("buffers", "shared vision features", features, f"{num_prompts} images x {patches // 4} tokens"),
         ]
-    trainer = Role("trainer", "1 GPU per trainer process, the update", [*resident, *acts, *boundary])
-
-    rows = min(rc.batch_size, rows_total)
-    kv_cache = rows * (L + T) * m.layers * 2 * m.kv_dim * a
-    prefill = rows * L * (5 * m.dim + 2 * m.kv_dim + 3 * m.ffn) * a + rows * m.vocab * 4
-    gen = [
-        Term("activations", "KV cache", kv_cache, f"{rows} rows x {L + T} tokens x {m.layers} layers x 2 x {m.kv_dim}"),
-        Term("activations", "prefill working set", prefill, f"{rows} rows x {L} tokens, one layer at a time (rough)"),
-    ]
-    if tc.schedule == "rollplex":  # the prefixes run during the decode
-        gen += [t for t in acts if t.name.startswith("actor prefix")] + boundary
-    rollout = Role(
-        "rollout",
-        "the trainer's GPU, during generation",
-        [*resident, *gen],
-        "`generate` in the trainer's process; gradients stay allocated until the next zero_grad",
-    )
-    shapes = {
-        "prompt_tokens": L,
-        "response_tokens": T,
-        "patches_per_image": patches,
-        "rows_per_micro_batch": b,
-        "rollout_rows": rows,
-        "schedule": tc.schedule,
-        "dtype": cfg.model.dtype,
-        "lora_rank": r,
-        "train_vision": vision_trains,
-        "fsdp": k,
-    }
-    return [trainer, rollout], shapes
+    return acts, boundary
 
 
 def plan_vlm(recipe: str, overrides: list[str], gpus: int, gpu_mem_gib: float) -> Plan:
