@@ -173,68 +173,133 @@ def simulate(policy: str, setup: Setup, *, progress_cb=None) -> PolicyResult:
     """Run `policy` until the learning target is reached; see the module docstring."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; policies: {', '.join(POLICIES)}")
+    sim = _Simulation(policy, setup)
     p = setup.profile
-    loop = EventLoop()
-    uses_spot = policy in ("spotlight", "disaggregated")
-    trainer_gpus = setup.trainer_gpus if uses_spot else setup.baseline_gpus
-    cluster = Cluster(
-        loop,
-        p,
-        setup.trace if uses_spot else None,
-        on_demand_gpus=trainer_gpus,
-        elastic=setup.elastic,
-        handoff=setup.handoff,
+    while sim.progress < p.iterations_to_target and sim.k < setup.max_iterations:
+        sim.iteration()
+        if progress_cb is not None:
+            progress_cb(policy, sim.k, sim.progress / p.iterations_to_target)
+    sim.cluster.finish()
+    return _result(
+        policy,
+        setup,
+        sim.cluster,
+        sim.loop,
+        sim.k,
+        sim.budgets,
+        sim.rollout_times,
+        sim.ends,
+        sim.progress_curve,
+        sim.fallbacks,
+        sim.recomputed,
+        sim.handoffs,
     )
-    learning = Learning(setup.table, p)
-    explores = policy in ("inline", "spotlight")
-    # Only the bandit keeps a prior per family of prompts (as `spotlight.explore.Exploration`).
-    family = {"family": prompt_family(setup.planner_family)} if setup.planner == "bandit" else {}
-    planner = build_planner(setup.planner, seed=setup.seed, **family) if explores else None
-    pools = {"ondemand": (False,), "inline": (False,), "spotlight": (False, True), "disaggregated": (True,)}[policy]
-    update_s = p.update_gpu_s / trainer_gpus
-    reward_s = p.reward_gpu_s_per_sample * p.samples_per_iteration / trainer_gpus
-    # inline explores as many candidates as spotlight's planner gets with the whole spot pool during
-    # its update (on trainer_gpus), but on its own GPUs, before the rollout.
-    peak_spot = setup.trace.num_nodes_max if setup.trace is not None else 0
-    per_gpu_rate = p.samples_per_job / (p.steps_per_candidate * p.step_s(p.sp_degree)) / p.sp_degree
-    inline_budget = math.floor(p.update_gpu_s / setup.trainer_gpus * peak_spot * per_gpu_rate)
-    cap = max(setup.table.max_candidates(k) for k in range(len(setup.table.iterations)))
 
-    next_job = 0
-    explored_next: dict[str, int] = {}  # counts ready for the next iteration's prompts (spotlight)
-    budgets: list[float] = []
-    rollout_times: list[float] = []
-    ends: list[float] = []
-    progress_curve: list[float] = []
-    fallbacks = recomputed = handoffs = 0
-    progress, k = 0.0, 0
 
-    def jobs_for(n_samples: int, version: int, sizes: list | None = None) -> list[Job]:
+class _Simulation:
+    """One policy's run on the simulated cluster: its state, and one training iteration at a time."""
+
+    def __init__(self, policy: str, setup: Setup):
+        self.policy, self.setup = policy, setup
+        p = self.p = setup.profile
+        self.loop = EventLoop()
+        uses_spot = policy in ("spotlight", "disaggregated")
+        self.trainer_gpus = setup.trainer_gpus if uses_spot else setup.baseline_gpus
+        self.cluster = Cluster(
+            self.loop,
+            p,
+            setup.trace if uses_spot else None,
+            on_demand_gpus=self.trainer_gpus,
+            elastic=setup.elastic,
+            handoff=setup.handoff,
+        )
+        self.learning = Learning(setup.table, p)
+        explores = policy in ("inline", "spotlight")
+        # Only the bandit keeps a prior per family of prompts (as `spotlight.explore.Exploration`).
+        family = {"family": prompt_family(setup.planner_family)} if setup.planner == "bandit" else {}
+        self.planner = build_planner(setup.planner, seed=setup.seed, **family) if explores else None
+        self.pools = {"ondemand": (False,), "inline": (False,), "spotlight": (False, True), "disaggregated": (True,)}[
+            policy
+        ]
+        self.update_s = p.update_gpu_s / self.trainer_gpus
+        self.reward_s = p.reward_gpu_s_per_sample * p.samples_per_iteration / self.trainer_gpus
+        # inline explores as many candidates as spotlight's planner gets with the whole spot pool during
+        # its update (on trainer_gpus), but on its own GPUs, before the rollout.
+        peak_spot = setup.trace.num_nodes_max if setup.trace is not None else 0
+        per_gpu_rate = p.samples_per_job / (p.steps_per_candidate * p.step_s(p.sp_degree)) / p.sp_degree
+        self.inline_budget = math.floor(p.update_gpu_s / setup.trainer_gpus * peak_spot * per_gpu_rate)
+        self.cap = max(setup.table.max_candidates(k) for k in range(len(setup.table.iterations)))
+        self.next_job = 0
+        self.explored_next: dict[str, int] = {}  # counts ready for the next iteration's prompts (spotlight)
+        self.budgets: list[float] = []
+        self.rollout_times: list[float] = []
+        self.ends: list[float] = []
+        self.progress_curve: list[float] = []
+        self.fallbacks = self.recomputed = self.handoffs = 0
+        self.progress, self.k = 0.0, 0
+
+    def iteration(self) -> None:
+        """Iteration k: (inline) explore, roll out with θ_k, reward, update (spotlight explores the next
+        batch meanwhile), publish θ_{k+1}, and the learning progress it made."""
+        p, k, loop, cluster, policy = self.p, self.k, self.loop, self.cluster, self.policy
+        prompts = self.learning.prompts(k)
+        explored: dict[str, int] = {}
+        if policy == "inline" and k > 0 and self.inline_budget:
+            explored = self.explore(prompts, self.inline_budget, k, self.pools, math.inf)
+        elif policy == "spotlight":
+            explored = {pid: n for pid, n in self.explored_next.items() if pid in prompts}
+        # Rollout with θ_k.
+        t0 = loop.now
+        res = cluster.run_phase(self.jobs_for(p.samples_per_iteration, k), p.num_steps, pools=self.pools)
+        self.recomputed += res.recomputed_steps
+        self.handoffs += res.handoffs
+        self.rollout_times.append(loop.now - t0)
+        # Rewards, then the update θ_k -> θ_{k+1} on the trainer GPUs.
+        loop.advance(self.reward_s)
+        cluster.on_demand.busy_gpu_s += self.reward_s * self.trainer_gpus
+        t_update_end = loop.now + self.update_s
+        cluster.on_demand.busy_gpu_s += self.update_s * self.trainer_gpus
+        if policy == "spotlight":
+            nxt = self.learning.prompts(k + 1)
+            budget = self.update_s * cluster.samples_per_s(spot=True, steps=p.steps_per_candidate)
+            self.explored_next = self.explore(nxt, budget, k, (True,), t_update_end)
+        if loop.now < t_update_end:
+            loop.advance(t_update_end - loop.now)
+        cluster.publish(k + 1, p.weight_sync_s)
+        self.progress += self.learning.progress(prompts, explored, stale=policy == "spotlight")
+        if self.planner is not None:
+            self.planner.observe(
+                [Observation(pid, r[: explored.get(pid) or p.group_size], iteration=k) for pid, r in prompts.items()]
+            )
+        self.k += 1
+        self.ends.append(loop.now)
+        self.progress_curve.append(self.progress)
+
+    def jobs_for(self, n_samples: int, version: int, sizes: list | None = None) -> list[Job]:
         """Jobs of `samples_per_job` samples (the last one smaller); their sizes appended to `sizes`."""
-        nonlocal next_job
-        out = []
+        p, out = self.p, []
         for i in range(0, n_samples, p.samples_per_job):
-            out.append(Job(next_job, version=version, num_steps=p.num_steps))
+            out.append(Job(self.next_job, version=version, num_steps=p.num_steps))
             if sizes is not None:
                 sizes.append(min(p.samples_per_job, n_samples - i))
-            next_job += 1
+            self.next_job += 1
         return out
 
-    def explore(prompts: dict, budget: float, version: int, phase_pools, deadline: float) -> dict[str, int]:
+    def explore(self, prompts: dict, budget: float, version: int, phase_pools, deadline: float) -> dict[str, int]:
         """Plan and run exploration; the candidates done per prompt."""
-        nonlocal fallbacks, recomputed, handoffs
-        alloc = planner.plan(list(prompts), budget, group_size=p.group_size, max_candidates=cap)
-        budgets.append(alloc.total())
+        p = self.p
+        alloc = self.planner.plan(list(prompts), budget, group_size=p.group_size, max_candidates=self.cap)
+        self.budgets.append(alloc.total())
         jobs, owner, sizes = [], [], []
         for pid in alloc.explored():
-            new = jobs_for(alloc[pid], version, sizes)
+            new = self.jobs_for(alloc[pid], version, sizes)
             jobs += new
             owner += [pid] * len(new)
         if not jobs:
             return {}
-        res = cluster.run_phase(jobs, p.steps_per_candidate, pools=phase_pools, deadline=deadline)
-        recomputed += res.recomputed_steps
-        handoffs += res.handoffs
+        res = self.cluster.run_phase(jobs, p.steps_per_candidate, pools=phase_pools, deadline=deadline)
+        self.recomputed += res.recomputed_steps
+        self.handoffs += res.handoffs
         done: dict[str, int] = {}
         first_missing: dict[str, bool] = {}
         for job, pid, size in zip(jobs, owner, sizes):
@@ -243,48 +308,8 @@ def simulate(policy: str, setup: Setup, *, progress_cb=None) -> PolicyResult:
                 done[pid] = done.get(pid, 0) + size
             else:
                 first_missing[pid] = True
-        fallbacks += sum(done.get(pid, 0) <= p.group_size for pid in alloc.explored())
+        self.fallbacks += sum(done.get(pid, 0) <= p.group_size for pid in alloc.explored())
         return {pid: n for pid, n in done.items() if n > p.group_size}
-
-    while progress < p.iterations_to_target and k < setup.max_iterations:
-        prompts = learning.prompts(k)
-        explored: dict[str, int] = {}
-        if policy == "inline" and k > 0 and inline_budget:
-            explored = explore(prompts, inline_budget, k, pools, math.inf)
-        elif policy == "spotlight":
-            explored = {pid: n for pid, n in explored_next.items() if pid in prompts}
-        # Rollout with θ_k.
-        t0 = loop.now
-        res = cluster.run_phase(jobs_for(p.samples_per_iteration, k), p.num_steps, pools=pools)
-        recomputed += res.recomputed_steps
-        handoffs += res.handoffs
-        rollout_times.append(loop.now - t0)
-        # Rewards, then the update θ_k -> θ_{k+1} on the trainer GPUs.
-        loop.advance(reward_s)
-        cluster.on_demand.busy_gpu_s += reward_s * trainer_gpus
-        t_update_end = loop.now + update_s
-        cluster.on_demand.busy_gpu_s += update_s * trainer_gpus
-        if policy == "spotlight":
-            nxt = learning.prompts(k + 1)
-            budget = update_s * cluster.samples_per_s(spot=True, steps=p.steps_per_candidate)
-            explored_next = explore(nxt, budget, k, (True,), t_update_end)
-        if loop.now < t_update_end:
-            loop.advance(t_update_end - loop.now)
-        cluster.publish(k + 1, p.weight_sync_s)
-        progress += learning.progress(prompts, explored, stale=policy == "spotlight")
-        if planner is not None:
-            planner.observe(
-                [Observation(pid, r[: explored.get(pid) or p.group_size], iteration=k) for pid, r in prompts.items()]
-            )
-        k += 1
-        ends.append(loop.now)
-        progress_curve.append(progress)
-        if progress_cb is not None:
-            progress_cb(policy, k, progress / p.iterations_to_target)
-    cluster.finish()
-    return _result(
-        policy, setup, cluster, loop, k, budgets, rollout_times, ends, progress_curve, fallbacks, recomputed, handoffs
-    )
 
 
 def _result(policy, setup, cluster, loop, k, budgets, rollout_times, ends, curve, fallbacks, recomputed, handoffs):
