@@ -296,11 +296,32 @@ RENAMED_COMMANDS = {"plan": "memory"}
 """Old command -> new name; the old one fails with a message that names the new one."""
 
 
+WEIGHTS_OPTION = dict(
+    choices=["auto", "ema", "raw"],
+    default="auto",
+    help="a checkpoint's moving average (ema, saved with train.ema_decay > 0) or trained weights (raw); "
+    "auto: ema where saved",
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spotlight", description="RL post-training of generative models on spot GPUs."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_recipe_commands(sub)
+    _add_run_dir_commands(sub)
+    from vlm.cli import add_subcommands as add_vlm_commands  # `spotlight vlm train|eval|warmstart|config`
+
+    add_vlm_commands(sub, recipe_kinds)
+    from spot.sim.cli import add_subcommands as add_simulate_command  # `spotlight simulate`
+
+    add_simulate_command(sub)
+    return parser
+
+
+def _add_recipe_commands(sub) -> None:
+    """The commands that take a recipe and dotted overrides: train, eval, sample, pretrain, config, memory."""
 
     def command(name: str, help_text: str, fn) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -315,15 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-resume", action="store_true", help="start from scratch even if run-dir has checkpoints")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
 
-    weights_option = dict(
-        choices=["auto", "ema", "raw"],
-        default="auto",
-        help="a checkpoint's moving average (ema, saved with train.ema_decay > 0) or trained weights (raw); "
-        "auto: ema where saved",
-    )
     p = command("eval", "Mean reward of a model on held-out prompts, with fixed seeds.", cmd_eval)
     p.add_argument("--checkpoint", help="run directory or checkpoint (default: the recipe's base model)")
-    p.add_argument("--weights", **weights_option)
+    p.add_argument("--weights", **WEIGHTS_OPTION)
     p.add_argument("--prompts", help="prompt file, one per line (default: the recipe's eval prompts)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--grid", help="also write a PNG grid of the first seed of each prompt")
@@ -333,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="prompt file, one per line")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3], help="seeds (default: 0 1 2 3)")
     p.add_argument("--checkpoint", help="run directory or checkpoint (default: the recipe's base model)")
-    p.add_argument("--weights", **weights_option)
+    p.add_argument("--weights", **WEIGHTS_OPTION)
     p.add_argument("--out", default="samples.png", help="output PNG (default: samples.png)")
 
     p = command("pretrain", "Pretrain the tiny shapes base model with rectified flow.", cmd_pretrain)
@@ -352,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one GPU in GiB (default: 80)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+
+def _add_run_dir_commands(sub) -> None:
+    """The commands that read a run directory: cost, export, report."""
     help_text = "Print a run's GPU cost per pool (on-demand, spot), its total and the saving over on-demand only."
     p = sub.add_parser("cost", help=help_text, description=help_text)
     p.add_argument("run_dir", metavar="RUN_DIR", help="run directory (its cost.json)")
@@ -371,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(QwenImageTransformer2DModel.from_pretrained, the adapter merged); VLM: transformers "
         "(AutoModelForImageTextToText.from_pretrained, merged; default) or peft (PeftModel.from_pretrained)",
     )
-    p.add_argument("--weights", **weights_option)
+    p.add_argument("--weights", **WEIGHTS_OPTION)
     p.add_argument("--force", action="store_true", help="replace an existing --to folder")
     p.set_defaults(fn=cmd_export, items=[])
 
@@ -387,14 +405,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="output folder (default: RUN_DIR/report); the page is OUT/index.html")
     p.set_defaults(fn=cmd_report, items=[], loads_models=False)
-
-    from vlm.cli import add_subcommands as add_vlm_commands  # `spotlight vlm train|eval|warmstart|config`
-
-    add_vlm_commands(sub, recipe_kinds)
-    from spot.sim.cli import add_subcommands as add_simulate_command  # `spotlight simulate`
-
-    add_simulate_command(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
