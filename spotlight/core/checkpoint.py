@@ -292,20 +292,31 @@ def save_checkpoint(
     _write_text(tmp / "config.yaml", config_yaml)
     _write_manifest(tmp, step, sorted(tensors), optimizer_state is not None)
     fsync_path(tmp)
+    _rename_into_place(tmp, final)
 
-    # A directory cannot be os.replace'd over a non-empty one: move the old one aside first. It is
-    # named `.tmp-*`, so a crash between the two renames leaves it to be cleaned by the next save.
+    set_latest(final)
+    _prune(ckpt_dir, step, keep_last)
+    return final
+
+
+def _rename_into_place(tmp: Path, final: Path) -> None:
+    """Rename the written step dir `tmp` to `final`, replacing one already there, durably.
+
+    A directory cannot be os.replace'd over a non-empty one: the old one moves aside first. It is
+    named `.tmp-*`, so a crash between the two renames leaves it to be cleaned by the next save.
+    """
     if final.exists():
-        old = ckpt_dir / f"{_TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:8]}"
+        old = final.parent / f"{_TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:8]}"
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    fsync_path(ckpt_dir)
+    fsync_path(final.parent)
 
-    set_latest(final)
 
+def _prune(ckpt_dir: Path, step: int, keep_last: int) -> None:
+    """Remove the step dirs above `step` (a replaced timeline) and all but the `keep_last` newest."""
     older = []
     for p in ckpt_dir.iterdir():
         s = step_of(p)
@@ -316,7 +327,6 @@ def save_checkpoint(
             older.append(p)
     for p in sorted(older, key=step_of)[: max(0, len(older) - (keep_last - 1))]:
         _remove(p)
-    return final
 
 
 def set_latest(step_dir: Path) -> None:
