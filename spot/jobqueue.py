@@ -54,6 +54,10 @@ that died in the middle of a step also loses that step, which no report covers: 
 (`steps_in_flight_lost`) when the lease is revoked, since a worker that reported step k was
 working on step k + 1 (unless k was the job's last). Every counter is kept in total (`stats`) and
 per job kind (`stats_by_kind`).
+
+One module on purpose (longer than the ~600 lines of the others): the queue is one state machine
+whose transitions must each keep the invariants above, and reading them side by side is how they
+are checked; the message types and the queue that interprets them stay together.
 """
 
 from __future__ import annotations
