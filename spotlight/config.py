@@ -174,15 +174,14 @@ class TrainConfig(TrainSettings):
     forward-process loss)."""
     nft_beta: float = 0.5
     """DiffusionNFT: step size beta of the implicit positive/negative policies (objective "nft"); the loss's minimum
-    moves v by (2r - 1)(target - v)/beta, so a smaller beta takes larger steps (the paper's 1.0 learned slower on
-    tiny-shapes)."""
+    moves v by (2r - 1)(target - v)/beta, so a smaller beta takes larger steps (the paper uses 1.0;
+    docs/tiny-recipe-notes.md has the tiny recipe's choice)."""
     nft_adv_max: float = 2.0
     """DiffusionNFT: advantages are mapped to optimality r = 0.5 + 0.5 clip(A / nft_adv_max, -1, 1) (1 clips a third of
     the samples' weights, 2 a twentieth)."""
     nft_weighting: Literal["flow", "adaptive"] = "flow"
     """DiffusionNFT: per-sample loss weighting; flow: plain flow-matching squared error; adaptive: the paper's x0-space
-    error over its own mean absolute value (weighs high noise levels more; on the tiny task it learned no faster per
-    iteration)."""
+    error over its own mean absolute value (weighs high noise levels more)."""
     nft_num_timesteps: int = 3
     """DiffusionNFT: noise levels drawn from the rollout schedule per sample and update."""
     nft_timestep_sampling: Literal["uniform", "stratified"] = "uniform"
@@ -190,8 +189,8 @@ class TrainConfig(TrainSettings):
     from each of nft_num_timesteps equal parts of it (repeats only across a part boundary; less variance)."""
     autocast: Literal["auto", "none", "bfloat16"] = "auto"
     """Compute dtype of the "nft" update's forwards and backward under torch.autocast (weights, gradients and optimizer
-    stay in model.dtype). auto: bfloat16 on a CUDA GPU with bfloat16, none (float32) on a CPU, where it was measured
-    barely faster (1.12x with AVX512-BF16) or slower (AMX)."""
+    stay in model.dtype). auto: bfloat16 on a CUDA GPU with bfloat16, none (float32) on a CPU (benchmarks/
+    autocast_rollout.py measures both)."""
     prefetch_prompts: bool = True
     """Encode the next iteration's prompts on a worker thread (a side CUDA stream on a GPU) while this iteration's
     rollout and update run; the same embeddings bit for bit, the encoder's time off the critical path
@@ -329,11 +328,10 @@ class RuntimeConfig:
     """torch CPU threads per worker."""
     job_size: int = 32
     """Rows (prompt, seed) per rollout job, at most sample.batch_size (the forward batch sized to the device's memory);
-    0 = train.group_size (one group per job). On 2 CPU cores the tiny recipe's iteration takes 1.25x the local one's
-    with jobs of 16, 1.09x with 32 (1.19-1.21 in alternated pairs on another day), 1.00x with 64 (one-thread workers run
-    larger batches faster; benchmarks/spot_training.py); smaller jobs lose less to a preemption and spread over more
-    workers. A job gives the local rollout's bits when it has sample.batch_size rows, or where the matmuls round the
-    same at both sizes (the tiny recipe: spotlight/jobs.py)."""
+    0 = train.group_size (one group per job). Smaller jobs lose less to a preemption and spread over more workers;
+    larger ones run faster on one-thread workers (benchmarks/spot_training.py measures the trade; docs/spot.md has
+    the figures). A job gives the local rollout's bits when it has sample.batch_size rows, or where the matmuls round
+    the same at both sizes (the tiny recipe: spotlight/jobs.py)."""
     commit_every: int = 4
     """A worker commits a job's state (its latent) to the queue every this many steps, and at once on a preemption
     notice."""
@@ -547,7 +545,7 @@ class PretrainConfig:
     """Seed of the train / held-out split."""
     also_hold_out_splits: tuple[int, ...] = ()
     """Further split seeds whose held-out prompts pretraining leaves out too: a base for cross-validating a recipe over
-    several `data.split_seed`s (docs/tiny-recipe-notes.md, "Seventeenth session")."""
+    several `data.split_seed`s (docs/tiny-recipe-notes.md)."""
     seed: int = 0
     """Data seed."""
     max_minutes: float = 0.0
