@@ -31,13 +31,13 @@ import torch
 from spotlight.config import DiTRecipe
 from spotlight.core.advantages import group_advantages
 from spotlight.core.config_io import load_config
+from spotlight.driver import plan_iteration
 from spotlight.policy import load_policy, load_trainable_state, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
 from spotlight.rollout import resolve_train_autocast, rollout
 from spotlight.sampling import qwen_image_sigmas
-from spotlight.train import plan_iteration
-from spotlight.trainer import GRPOTrainer
+from spotlight.update import GRPOTrainer
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "dit" / "tiny-shapes.yaml"
 

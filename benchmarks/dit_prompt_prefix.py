@@ -57,14 +57,14 @@ import torch
 from spotlight.config import DiTRecipe
 from spotlight.core.advantages import group_advantages
 from spotlight.core.config_io import load_config
+from spotlight.driver import plan_iteration
 from spotlight.policy import load_policy
 from spotlight.prompt_cache import PromptCache, UncachedPrompts
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
 from spotlight.rollout import Rollout, rollout
 from spotlight.sampling import qwen_image_sigmas
-from spotlight.train import plan_iteration
-from spotlight.trainer import GRPOTrainer
+from spotlight.update import GRPOTrainer
 
 
 class Copy:

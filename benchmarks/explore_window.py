@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from spotlight.config import DiTRecipe
 from spotlight.core.config_io import load_config
 from spotlight.core.tracking import read_metrics
-from spotlight.train import run_training
+from spotlight.driver import run_training
 
 WINDOWS = ("update", "iteration")
 SKIP = 2

@@ -531,7 +531,7 @@ def check_train(run: Run, gc_on: bool) -> dict:
     from spotlight.cli import memory_plan
     from spotlight.core.advantages import group_advantages
     from spotlight.rewards import build_reward
-    from spotlight.trainer import GRPOTrainer
+    from spotlight.update import GRPOTrainer
 
     s, cfg = run.shape, run.recipe(gc_on)
     policy = run.get_policy()

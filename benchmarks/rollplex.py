@@ -29,13 +29,13 @@ import torch
 
 from spotlight.core.config_io import load_config
 from vlm.config import TaskConfig, TinyVLMConfig, VLMRecipe
+from vlm.driver import make_schedule
 from vlm.memory import TensorLedger, state_bytes
 from vlm.policy import load_policy
 from vlm.rollout import HFRolloutEngine
 from vlm.rollplex import RollplexSchedule, VisionCounter
 from vlm.task import CELL_PX, TrainStream, corpus, example_image
 from vlm.tiny import build_tiny_vlm
-from vlm.train import make_schedule
 from vlm.update import Reference
 
 MIB = 2**20

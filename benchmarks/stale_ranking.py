@@ -4,7 +4,7 @@ Spotlight's claim (the Spotlight paper): ranking a prompt's seeds by reward unde
 the ranking under θ_k, so seeds can be explored with stale weights off the critical path.
 
 The run trains the recipe (default configs/dit/tiny-shapes.yaml, its own objective) with the same
-pieces `spotlight.train.run_training` uses: `plan_iteration`, `rollout`, `build_reward`,
+pieces `spotlight.driver.run_training` uses: `plan_iteration`, `rollout`, `build_reward`,
 `group_advantages`, `GRPOTrainer.update` (no checkpoints or tracking). It keeps copies of the
 trainable state of the last max(staleness) iterations. At each measurement iteration k, before
 the update, for the first P distinct prompts of the iteration and S seeds each it samples with the
@@ -57,13 +57,13 @@ from spotlight.config import DiTRecipe
 from spotlight.core.advantages import group_advantages
 from spotlight.core.config_io import load_config
 from spotlight.core.seeds import derive_seed
+from spotlight.driver import plan_iteration
 from spotlight.policy import DiTPolicy, load_policy, load_trainable_state, trainable_state
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import CombinedReward, build_reward
 from spotlight.rollout import resolve_autocast, rollout
 from spotlight.sampling import qwen_image_sigmas
-from spotlight.train import plan_iteration
-from spotlight.trainer import GRPOTrainer
+from spotlight.update import GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = str(ROOT / "configs" / "dit" / "tiny-shapes.yaml")

@@ -49,11 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from spotlight.config import DiTRecipe
 from spotlight.core.config_io import load_config
 from spotlight.core.tracking import read_metrics
+from spotlight.driver import run_training
 from spotlight.evaluate import evaluate
 from spotlight.policy import load_policy
 from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
-from spotlight.train import run_training
 
 MODES = ("none", "none_all_cores", "stale", "oracle", "stale_real")
 

@@ -61,6 +61,7 @@ import torch
 from spotlight.core.advantages import group_advantages
 from spotlight.core.config_io import load_config
 from vlm.config import TaskConfig, TinyVLMConfig, VLMRecipe
+from vlm.driver import make_schedule
 from vlm.memory import TensorLedger, state_bytes
 from vlm.policy import load_policy
 from vlm.processor import load_processor
@@ -68,7 +69,6 @@ from vlm.rewards import CombinedReward
 from vlm.rollout import HFRolloutEngine
 from vlm.task import CELL_PX, TrainStream, corpus, example_image
 from vlm.tiny import build_tiny_vlm
-from vlm.train import make_schedule
 from vlm.update import Reference
 
 MIB = 2**20
@@ -119,7 +119,7 @@ def examples_of(cfg: VLMRecipe, step: int):
 
 
 class Ours:
-    """One of our schedules on its own copy of the weights: the step `vlm.train._train` runs (one process)."""
+    """One of our schedules on its own copy of the weights: the step `vlm.driver._train` runs (one process)."""
 
     def __init__(self, cfg: VLMRecipe, schedule: str):
         self.cfg = cfg

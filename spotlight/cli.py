@@ -97,7 +97,7 @@ def _policy_with_checkpoint(cfg, checkpoint: str | None, weights: str = "auto"):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     cfg, _ = _load_recipe(args)
     run_dir = Path(args.run_dir or Path("runs") / cfg.name)

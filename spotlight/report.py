@@ -1,6 +1,6 @@
 """`spotlight report RUN_DIR`: one self-contained HTML page (plus its PNGs) for a run directory.
 
-The page reads only what a run writes (see `train.py`): `metrics.jsonl` (`tracking.read_metrics`),
+The page reads only what a run writes (see `driver.py`): `metrics.jsonl` (`tracking.read_metrics`),
 `images/<key>-<step>.png`, `explore.jsonl` (`explore.LOG_FILE`), `cost.json` (`spotlight.core.cost`),
 `config.yaml` and `checkpoints/`. It needs no network to be read: the CSS is inline and every
 picture is embedded as a base64 `data:` URI (and also written as a PNG file next to the page, for

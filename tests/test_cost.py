@@ -313,7 +313,7 @@ def test_training_logs_its_cost_each_iteration(tiny_model_dir, tmp_path):
     from spotlight.config import DiTRecipe
     from spotlight.core.config_io import from_dict
     from spotlight.core.tracking import read_metrics
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     data = {
         "model": {"path": str(tiny_model_dir)},
@@ -344,7 +344,7 @@ def test_spot_gpus_held_are_charged_while_exploring(tiny_model_dir, tmp_path):
     from spotlight.config import DiTRecipe
     from spotlight.core.config_io import from_dict
     from spotlight.core.tracking import read_metrics
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     cfg = from_dict(
         DiTRecipe,

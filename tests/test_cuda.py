@@ -21,8 +21,8 @@ from spotlight.core.advantages import group_advantages
 from spotlight.core.tracking import read_metrics
 from spotlight.rollout import rollout
 from spotlight.sampling import qwen_image_sigmas
-from spotlight.trainer import GRPOTrainer
-from vlm.train import run_training
+from spotlight.update import GRPOTrainer
+from vlm.driver import run_training
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

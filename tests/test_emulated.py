@@ -118,12 +118,12 @@ def test_stale_exploration_on_emulated_nodes_selects_without_ray_and_leaves_the_
     """A real tiny run: the explorers' jobs run in the trainer's process on the real runner, the
     selected groups are the rule's choice among stale (staleness 1) candidates, and the waits are
     in time/emulated_explore_s, not in time/iteration_s."""
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     def no_runtime(*args, **kwargs):
         raise AssertionError("an emulated pool needs no spot runtime")
 
-    monkeypatch.setattr("spotlight.train.start_runtime", no_runtime)
+    monkeypatch.setattr("spotlight.driver.start_runtime", no_runtime)
     # Each emulated job's wait gets 1 s longer (outside the job's own busy time, so nothing turns
     # late): the wait must then show in time/emulated_explore_s and not in time/iteration_s.
     output = spotlight.jobs.DiTRunner.output
@@ -208,7 +208,7 @@ def test_a_run_ends_at_the_evaluation_that_reaches_the_target(tiny_model_dir, tm
     """eval.stop_at (what benchmarks/time_to_target.py stops its runs with): the run ends after the
     first held-out evaluation at or above it, with a checkpoint; a target never reached changes nothing."""
     from spotlight.core.checkpoint import find_latest_checkpoint
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     cfg = tiny_recipe(tiny_model_dir, "none")
     cfg.train.num_iterations, cfg.eval.every, cfg.eval.num_seeds = 4, 2, 1

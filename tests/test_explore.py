@@ -30,6 +30,7 @@ from spotlight.config import DiTRecipe
 from spotlight.core.config_io import from_dict
 from spotlight.core.seeds import derive_seed
 from spotlight.core.tracking import read_metrics
+from spotlight.driver import plan_iteration
 from spotlight.explore import LOG_FILE, Exploration
 from spotlight.seed_selection import (
     BudgetModel,
@@ -45,7 +46,6 @@ from spotlight.seed_selection import (
     selection_metrics,
     split_jobs,
 )
-from spotlight.train import plan_iteration
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -351,13 +351,13 @@ def test_mode_none_is_plain_grpo_and_never_imports_ray(tiny_model_dir, tmp_path,
 
     from spotlight.core.advantages import group_advantages
     from spotlight.core.checkpoint import load_checkpoint
+    from spotlight.driver import run_training
     from spotlight.policy import load_policy, trainable_state
     from spotlight.prompts import train_and_eval_prompts
     from spotlight.rewards import build_reward
     from spotlight.rollout import rollout
     from spotlight.sampling import qwen_image_sigmas
-    from spotlight.train import run_training
-    from spotlight.trainer import GRPOTrainer
+    from spotlight.update import GRPOTrainer
 
     data = {
         "model": {"path": str(tiny_model_dir), "height": 32, "width": 32},
@@ -397,7 +397,7 @@ def test_mode_none_is_plain_grpo_and_never_imports_ray(tiny_model_dir, tmp_path,
 
 
 def test_inline_waits_and_uses_fresh_weights(tiny_model_dir, ray_address, tmp_path):
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     cfg = tiny_recipe(tiny_model_dir, "inline", ray_address=ray_address)
     run_training(cfg, tmp_path, progress=False)
@@ -414,7 +414,7 @@ def test_inline_waits_and_uses_fresh_weights(tiny_model_dir, ray_address, tmp_pa
 
 def test_stale_selects_when_the_window_finishes_in_time(tiny_model_dir, ray_address, tmp_path, monkeypatch):
     """With the update outlasting the exploration (forced here), batch k+1 trains on selected seeds."""
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     launch = Exploration.launch
 
@@ -438,7 +438,7 @@ def test_stale_selects_when_the_window_finishes_in_time(tiny_model_dir, ray_addr
 def test_the_stale_window_opens_where_the_setting_says(tiny_model_dir, ray_address, tmp_path, monkeypatch, window):
     """explore.window: batch k+1 is submitted after rollout k ("update") or before it ("iteration",
     from k = 1), with θ_k either way, and the budget then predicts the longer window."""
-    import spotlight.train as train_module
+    import spotlight.driver as train_module
 
     events: list[tuple[str, int]] = []
     open_window, rollout = Exploration._open_window, train_module.rollout
@@ -482,7 +482,7 @@ def test_with_the_rollout_on_the_cluster_the_budget_predicts_the_time_after_it(t
     the window the budget predicts runs from the rollout's end (reward, launch, update), not from
     `seeds_for` as explore.window "iteration" (the default) measures with local rollouts. Sized on
     the whole iteration, the plan overfilled the workers' free time and every job came back late."""
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     cfg = tiny_recipe(tiny_model_dir, "stale", ray_address=ray_address)
     cfg.runtime.rollouts = "cluster"
@@ -507,7 +507,7 @@ def test_a_budget_too_small_for_one_prompt_probes_and_recovers(tiny_model_dir, r
     """Regression: one slow throughput report (an explorer starved by a busy CPU, a cold start) left
     a budget of fewer than G + 1 candidates, nothing was planned again, so nothing re-measured the
     throughput and exploration stopped for the rest of the run. Now the smallest plan goes out."""
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     launch = Exploration.launch
 
@@ -552,7 +552,7 @@ def test_an_explorer_killed_mid_window_loses_only_its_steps_since_the_last_commi
     and the preempted work shows in the metrics."""
     import ray
 
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     killed = []
     launch = Exploration.launch

@@ -124,7 +124,7 @@ def vlm_runs(tmp_path_factory):
 
     from spotlight.core.config_io import load_config
     from vlm.config import WarmStartRecipe
-    from vlm.train import run_training
+    from vlm.driver import run_training
     from vlm.warmstart import warm_start
 
     base = tmp_path_factory.mktemp("vlm") / "base"

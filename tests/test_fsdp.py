@@ -203,12 +203,12 @@ def test_fsdp_explorers_sample_with_the_gathered_full_weights(tiny_model_dir, ra
     from spotlight.core.checkpoint import load_checkpoint
     from spotlight.core.config_io import load_config
     from spotlight.core.seeds import derive_seed
+    from spotlight.driver import plan_iteration
     from spotlight.explore import LOG_FILE
     from spotlight.jobs import DiTRunner
     from spotlight.policy import trainable_state
     from spotlight.prompts import train_and_eval_prompts
     from spotlight.seed_selection import ExploreJob
-    from spotlight.train import plan_iteration
 
     run = tmp_path / "run"
     overrides = [

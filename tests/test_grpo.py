@@ -13,7 +13,7 @@ from spotlight.core.config_io import from_dict
 from spotlight.grpo import clipped_policy_loss, gaussian_mean_kl
 from spotlight.rollout import rollout
 from spotlight.sampling import qwen_image_sigmas
-from spotlight.trainer import GRPOTrainer
+from spotlight.update import GRPOTrainer
 
 
 def test_batch_and_group_std_advantages():

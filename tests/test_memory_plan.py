@@ -192,12 +192,12 @@ def test_dit_plan_matches_a_measured_training_step(case, copies):
     from spotlight.config import DiTRecipe
     from spotlight.core.advantages import group_advantages
     from spotlight.core.config_io import load_config
+    from spotlight.driver import plan_iteration
     from spotlight.policy import load_policy
     from spotlight.prompts import train_and_eval_prompts
     from spotlight.rollout import rollout
     from spotlight.sampling import qwen_image_sigmas
-    from spotlight.train import plan_iteration
-    from spotlight.trainer import GRPOTrainer
+    from spotlight.update import GRPOTrainer
 
     overrides = DIT_CASES[case]
     cfg = load_config(DiTRecipe, DIT_RECIPE, overrides)
@@ -275,11 +275,11 @@ def test_vlm_plan_matches_a_measured_training_step(case, tiny_vlm):
     from spotlight.core.config_io import load_config
     from spotlight.core.seeds import derive_seed
     from vlm.config import VLMRecipe
+    from vlm.driver import make_schedule
     from vlm.memory import tensor_bytes
     from vlm.policy import load_policy
     from vlm.rollout import ENGINES
     from vlm.task import TrainStream, example_image
-    from vlm.train import make_schedule
     from vlm.update import Reference
 
     overrides = [f"model.path={tiny_vlm}", *VLM_CASES[case]]

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import spotlight.train as train_mod
+import spotlight.driver as train_mod
 from spotlight.cli import main
 from spotlight.config import DiTRecipe
 from spotlight.core.advantages import group_advantages
@@ -21,7 +21,7 @@ from spotlight.policy import load_policy
 from spotlight.prompt_cache import PREFETCH_THREAD, PromptCache, UncachedPrompts
 from spotlight.rollout import rollout
 from spotlight.sampling import qwen_image_sigmas, sde_step_indices
-from spotlight.trainer import GRPOTrainer
+from spotlight.update import GRPOTrainer
 
 PROMPTS = ["one red circle", "two blue squares", "three green triangles"]
 G = 4

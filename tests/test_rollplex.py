@@ -9,11 +9,11 @@ import torch
 
 from spotlight.core.config_io import load_config
 from vlm.config import TaskConfig, TinyVLMConfig, VLMRecipe
+from vlm.driver import make_schedule
 from vlm.policy import load_policy, response_logprobs
 from vlm.rollout import HFRolloutEngine
 from vlm.rollplex import BarrierViolation, VisionCounter, WeightsVersion, prefix_forward, suffix_logprobs
 from vlm.task import CELL_PX, TrainStream, corpus, example_image
-from vlm.train import make_schedule
 from vlm.update import Reference
 
 TASK = dict(grid_size=2, max_shapes=3, num_heldout=8)

@@ -73,7 +73,7 @@ def same(a: dict, b: dict) -> bool:
 @pytest.fixture(scope="module")
 def local_run(tiny_model_dir, tmp_path_factory):
     """The reference: the same recipe, rollouts in the trainer."""
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     run_dir = tmp_path_factory.mktemp("local")
     run_training(recipe(tiny_model_dir), run_dir, progress=False)
@@ -148,7 +148,7 @@ def strike_when_past_a_commit(cluster, monkeypatch, act, *, wait_node_lost: bool
 def test_a_spot_node_killed_mid_rollout_changes_nothing_in_the_weights(
     tiny_model_dir, local_run, cluster, tmp_path, monkeypatch
 ):
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     struck = strike_when_past_a_commit(
         cluster, monkeypatch, lambda c, name: c.remove_node(name), wait_node_lost=True
@@ -175,7 +175,7 @@ def test_a_spot_node_killed_mid_rollout_changes_nothing_in_the_weights(
 def test_a_notice_commits_mid_rollout_and_nothing_is_recomputed(
     tiny_model_dir, local_run, cluster, tmp_path, monkeypatch
 ):
-    from spotlight.train import run_training
+    from spotlight.driver import run_training
 
     def warn_then_kill(c, name):
         c.imds[name].schedule_interruption(lead_s=2.0)  # the node's metadata endpoint announces the reclaim

@@ -137,7 +137,7 @@ def test_record_reward_table_tiny_run(bench, tiny_model_dir, tmp_path):
 
     # Candidates 0..G-1 of iteration 0 are the training rollout's own seeds: a fresh run's
     # rollout of plan_iteration's prompts and seeds (same initial weights) scores them the same.
-    from spotlight.train import plan_iteration
+    from spotlight.driver import plan_iteration
 
     run = stale_ranking.build_run(stale_ranking.DEFAULT_RECIPE, overrides)
     prompts, seeds, sde_steps = plan_iteration(run.cfg, run.train_prompts, 0)
@@ -164,7 +164,7 @@ def test_record_reward_table_with_stale_rewards(bench, tiny_model_dir, tmp_path)
     for p, r in table.iterations[0].items():
         np.testing.assert_array_equal(table.explored[0][p], r)
 
-    from spotlight.train import plan_iteration
+    from spotlight.driver import plan_iteration
 
     run = stale_ranking.build_run(stale_ranking.DEFAULT_RECIPE, overrides)  # θ_0
     prompts, _, sde_steps = plan_iteration(run.cfg, run.train_prompts, 1)

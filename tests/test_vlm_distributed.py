@@ -1,4 +1,4 @@
-"""Data-parallel VLM training (vlm.train with spotlight.core.distributed): 2 real gloo processes against 1.
+"""Data-parallel VLM training (vlm.driver with spotlight.core.distributed): 2 real gloo processes against 1.
 
 The end-to-end test launches `spotlight vlm train` with `accelerate launch` and the shipped 2-process
 CPU config, for both schedules, and compares it with a single process on the same global batch and
@@ -173,10 +173,10 @@ def _update_first_group_only(dp: DataParallel, base: str, schedule: str) -> list
     prompt 1's were flat under drop_flat_groups): on 2 ranks, rank 1 rolls out prompt 1 and then
     holds none of the update's rows. Returns the gradients each optimizer step saw.
     """
+    from vlm.driver import make_schedule
     from vlm.policy import load_policy
     from vlm.rollout import HFRolloutEngine, prompts_of
     from vlm.task import TrainStream, example_image
-    from vlm.train import make_schedule
     from vlm.update import Reference, UpdateShard
 
     P, G = 2, 3

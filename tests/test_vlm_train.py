@@ -15,8 +15,8 @@ from spotlight.core.checkpoint import load_checkpoint
 from spotlight.core.config_io import load_config
 from spotlight.core.cost import read_ledger
 from vlm.config import VLMRecipe, WarmStartRecipe
+from vlm.driver import run_training
 from vlm.policy import VLMPolicy
-from vlm.train import run_training
 from vlm.warmstart import warm_start
 
 REPO = Path(__file__).resolve().parents[1]

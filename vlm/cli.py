@@ -47,7 +47,7 @@ def cmd_warmstart(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from vlm.config import VLMRecipe
-    from vlm.train import run_training
+    from vlm.driver import run_training
 
     cfg = _load(VLMRecipe, args)
     run_dir = Path(args.run_dir or Path("runs") / cfg.name)

@@ -31,7 +31,7 @@ same iteration (several epochs or minibatches) recompute the prefix of their pro
 The rollout's own prefill is not shared with the actor prefix (transformers' `generate` builds its
 cache itself); a rollout engine that accepts a prefilled cache would remove that pass too.
 
-Data parallel (`vlm.train`): a rank's rollout rows are a contiguous slice of the B, so its prefixes
+Data parallel (`vlm.driver`): a rank's rollout rows are a contiguous slice of the B, so its prefixes
 cover only the prompts of that slice (a prompt whose group spans two ranks gets a prefix on both;
 each backpropagates its own rows' share, and the gradients are summed over ranks).
 """
@@ -217,7 +217,7 @@ def detach_image_outputs(outputs):
 
 
 class RollplexSchedule:
-    """The Rollplex phases with the `SerialSchedule` interface (see `vlm.train`).
+    """The Rollplex phases with the `SerialSchedule` interface (see `vlm.driver`).
 
     Args:
         policy, engine, reference, optimizer, cfg: as for `SerialSchedule`.
@@ -265,7 +265,7 @@ class RollplexSchedule:
 
     # 1. Rollout, with the reference and actor prefixes of θ_k running alongside.
     def rollout(self, prompts: PromptBatch, seed: int, rows: range | None = None, pad: int = 0) -> Rollout:
-        assert pad == 0, "padding rows are for FSDP, which this schedule does not run under (vlm.train)"
+        assert pad == 0, "padding rows are for FSDP, which this schedule does not run under (vlm.driver)"
         rc = self.cfg.rollout
         self._drop()
         version = self.guard.version

@@ -1,7 +1,7 @@
 """The VLM policy update and the log-prob passes it needs: the reference model, the batched
 log-probs of a rollout, and one data-parallel rank's share of an update.
 
-Both schedules use them (`vlm.train.SerialSchedule`, `vlm.rollplex.RollplexSchedule`): the GRPO
+Both schedules use them (`vlm.driver.SerialSchedule`, `vlm.rollplex.RollplexSchedule`): the GRPO
 token loss (`vlm.grpo.grpo_token_loss`) over the rollout's minibatches, gradients summed over ranks
 before clipping (`train.max_grad_norm`), one optimizer step per minibatch.
 """

@@ -11,7 +11,7 @@ in each, weighted by their share of the minibatch; the gradients are then summed
 (`all_reduce_grads`), which gives the gradient of the one-process minibatch loss. An explicit
 all-reduce rather than DDP: a rank may hold none of a minibatch's samples (it then adds zero), and
 the trainer keeps calling `policy.transformer` directly (reference and old-policy swaps, LoRA).
-The VLM trainer (`vlm/train.py`) does the same with its token loss, whose divisors (the minibatch's
+The VLM trainer (`vlm/driver.py`) does the same with its token loss, whose divisors (the minibatch's
 sequence and token counts) are the global ones (`vlm.update.UpdateShard`).
 
 Only rank 0 writes: metrics, images, checkpoints, the cost ledger, the Ray explorers. With one

@@ -1,4 +1,4 @@
-"""Optimizer helpers both GRPO trainers share (the DiT's `spotlight.trainer`, the VLM's `vlm.train`)."""
+"""Optimizer helpers both GRPO trainers share (the DiT's `spotlight.update`, the VLM's `vlm.driver`)."""
 
 from __future__ import annotations
 

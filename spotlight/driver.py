@@ -68,7 +68,7 @@ from spotlight.rollout import Rollout, resolve_autocast, rollout
 from spotlight.sampling import Trajectory, qwen_image_sigmas, sde_step_indices
 from spotlight.seed_selection import opens_before_rollout, publishes_before_rollout, publishes_before_update
 from spotlight.spot_runtime import SpotRuntime, runtime_wanted, start_runtime
-from spotlight.trainer import GRPOTrainer
+from spotlight.update import GRPOTrainer
 
 logger = logging.getLogger(__name__)
 
