@@ -35,7 +35,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from spot.localray import spot_gpus_held
 from spotlight.config import DiTRecipe
@@ -49,7 +48,7 @@ from spotlight.core.rewards import RewardResult, gather_rewards
 from spotlight.core.runlock import RunLock, remove_if_empty_run
 from spotlight.core.seeds import derive_seed
 from spotlight.core.time_budget import IterationBudget, progress_total
-from spotlight.core.tracking import iteration_progress, run_tracker
+from spotlight.core.tracking import iteration_progress, print_run_summary, run_summary, run_tracker
 from spotlight.evaluate import evaluate
 from spotlight.explore import Exploration, NullExploration, start_exploration
 from spotlight.mirror import CheckpointMirror
@@ -537,11 +536,18 @@ class _Run:
 
     def finish(self) -> dict:
         self.charge_cost()  # the last checkpoint's time
-        summary = _summary(self.history, self.start_iter, self.budget.elapsed_s(), self.last_ckpt)
+        summary = run_summary(
+            [m["reward/mean"] for m in self.history],
+            names=("reward_first", "reward_last"),
+            window=5,
+            start_iter=self.start_iter,
+            seconds=self.budget.elapsed_s(),
+            last_ckpt=self.last_ckpt,
+        )
         if self.ledger is None:
             return summary
         summary["usd_total"] = round(self.ledger.summary()["usd_total"], 4)
-        _print_summary(self.console, summary)
+        print_run_summary(self.console, "spotlight train", summary, SUMMARY_LABELS)
         return summary
 
 
@@ -565,31 +571,12 @@ def _first(ro: Rollout, num: int) -> Rollout:
     return Rollout(ro.prompts[:num], ro.seeds[:num], kept, ro.images[:num])
 
 
-def _summary(history: list[dict], start_iter: int, seconds: float, last_ckpt: Path | None) -> dict:
-    rewards = [m["reward/mean"] for m in history]
-    window = max(1, min(5, len(rewards) // 2))
-    return {
-        "iterations": start_iter + len(history),
-        "iterations_this_run": len(history),
-        "reward_first": float(np.mean(rewards[:window])) if rewards else None,
-        "reward_last": float(np.mean(rewards[-window:])) if rewards else None,
-        "seconds": round(seconds, 1),
-        "checkpoint": str(last_ckpt) if last_ckpt else None,
-    }
-
-
-def _print_summary(console: Console, summary: dict) -> None:
-    table = Table(title="spotlight train", show_header=False)
-    labels = {
-        "iterations": "iterations done",
-        "iterations_this_run": "iterations this run",
-        "reward_first": "mean reward, first iterations",
-        "reward_last": "mean reward, last iterations",
-        "seconds": "wall time (s)",
-        "usd_total": "GPU cost so far (USD, spotlight cost)",
-        "checkpoint": "last checkpoint",
-    }
-    for key, label in labels.items():
-        value = summary[key]
-        table.add_row(label, f"{value:.4f}" if isinstance(value, float) and key != "seconds" else str(value))
-    console.print(table)
+SUMMARY_LABELS = {
+    "iterations": "iterations done",
+    "iterations_this_run": "iterations this run",
+    "reward_first": "mean reward, first iterations",
+    "reward_last": "mean reward, last iterations",
+    "seconds": "wall time (s)",
+    "usd_total": "GPU cost so far (USD, spotlight cost)",
+    "checkpoint": "last checkpoint",
+}

@@ -39,7 +39,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from spotlight.core.checkpoint import capture_rng_state, restore_rng_state, save_checkpoint
 from spotlight.core.config_io import dump_yaml, save_config
@@ -58,7 +57,7 @@ from spotlight.core.rewards import gather_rewards
 from spotlight.core.runlock import RunLock, remove_if_empty_run
 from spotlight.core.seeds import derive_seed
 from spotlight.core.time_budget import IterationBudget, progress_total
-from spotlight.core.tracking import iteration_progress, run_tracker
+from spotlight.core.tracking import iteration_progress, print_run_summary, run_summary, run_tracker
 from vlm.config import VLMRecipe
 from vlm.evaluate import evaluate
 from vlm.grpo import group_advantages
@@ -267,8 +266,15 @@ def _train(
                 )
                 break
     run.schedule.close()
-    summary = _summary(run.history, run.start_iter, run.budget.elapsed_s(), run.last_ckpt)
-    _print_summary(run.console, summary)
+    summary = run_summary(
+        [m["reward/accuracy"] if "reward/accuracy" in m else m["reward/mean"] for m in run.history],
+        names=("train_accuracy_first", "train_accuracy_last"),
+        window=10,
+        start_iter=run.start_iter,
+        seconds=run.budget.elapsed_s(),
+        last_ckpt=run.last_ckpt,
+    )
+    print_run_summary(run.console, "spotlight vlm train", summary)
     return summary
 
 
@@ -499,25 +505,3 @@ class _Run:
             config_yaml=dump_yaml(cfg),
             keep_last=cfg.log.keep_last,
         )
-
-
-def _summary(history: list[dict], start_iter: int, seconds: float, last_ckpt: Path | None) -> dict:
-    rewards = [m["reward/accuracy"] if "reward/accuracy" in m else m["reward/mean"] for m in history]
-    window = max(1, min(10, len(rewards) // 2))
-    return {
-        "iterations": start_iter + len(history),
-        "iterations_this_run": len(history),
-        "train_accuracy_first": float(np.mean(rewards[:window])) if rewards else None,
-        "train_accuracy_last": float(np.mean(rewards[-window:])) if rewards else None,
-        "seconds": round(seconds, 1),
-        "checkpoint": str(last_ckpt) if last_ckpt else None,
-    }
-
-
-def _print_summary(console: Console, summary: dict) -> None:
-    table = Table(title="spotlight vlm train", show_header=False)
-    for key, value in summary.items():
-        table.add_row(
-            key.replace("_", " "), f"{value:.4f}" if isinstance(value, float) and key != "seconds" else str(value)
-        )
-    console.print(table)

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from types import TracebackType
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -312,3 +313,32 @@ def iteration_progress(console, title: str, *, total: int, completed: int):
     ]
     with Progress(*columns, console=console) as bar:
         yield bar, bar.add_task("", total=total, completed=completed)
+
+
+def run_summary(
+    values: list[float], *, names: tuple[str, str], window: int, start_iter: int, seconds: float, last_ckpt
+) -> dict:
+    """What a training run prints and returns at its end: iterations, the mean of `values` (one per
+    iteration) over its first and last few iterations (at most `window`, at most half the run) under
+    `names`, its wall time and its last checkpoint."""
+    window = max(1, min(window, len(values) // 2))
+    first, last = names
+    return {
+        "iterations": start_iter + len(values),
+        "iterations_this_run": len(values),
+        first: float(np.mean(values[:window])) if values else None,
+        last: float(np.mean(values[-window:])) if values else None,
+        "seconds": round(seconds, 1),
+        "checkpoint": str(last_ckpt) if last_ckpt else None,
+    }
+
+
+def print_run_summary(console, title: str, summary: dict, labels: dict[str, str] | None = None) -> None:
+    """`summary` as a table on `console`; `labels` names (and selects) its rows, else every key is one."""
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    for key, label in (labels or {k: k.replace("_", " ") for k in summary}).items():
+        value = summary[key]
+        table.add_row(label, f"{value:.4f}" if isinstance(value, float) and key != "seconds" else str(value))
+    console.print(table)
