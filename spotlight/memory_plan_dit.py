@@ -65,11 +65,10 @@ class DiTModel:
 
 def load_dit_model(model_path: str, dtype: str) -> DiTModel:
     """Build the recipe's transformer, prompt encoder and codec on the meta device (or the published ones)."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from diffusers import QwenImageTransformer2DModel
     from peft import LoraConfig
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
-    from spotlight.latents import load_codec
     from spotlight.policy import DTYPES, LORA_TARGETS, default_model_path
 
     torch_dtype = DTYPES[dtype]
@@ -108,20 +107,7 @@ def load_dit_model(model_path: str, dtype: str) -> DiTModel:
         sources["text_encoder"] = "published Qwen2.5-VL-7B config (text_encoder/ not on disk)"
     text_encoder = on_meta(lambda: Qwen2_5_VLForConditionalGeneration(te_cfg), torch_dtype)
 
-    if (folder / "latent_codec.json").is_file():
-        codec = load_codec(folder)  # the tiny folders' parameter-free space-to-depth codec
-        sources["vae"] = f"{folder}/latent_codec.json (parameter-free codec)"
-        vae_bytes, vae_width, downsample, latent_channels = 0, 0, codec.downsample, codec.latent_channels
-    else:
-        if (folder / "vae" / "config.json").is_file():
-            vcfg = AutoencoderKLQwenImage.load_config(folder / "vae")
-            sources["vae"] = f"{folder}/vae/config.json (meta device)"
-        else:
-            vcfg = QWEN_IMAGE_VAE
-            sources["vae"] = "published Qwen-Image VAE config (vae/ not on disk)"
-        vae = on_meta(lambda: AutoencoderKLQwenImage.from_config(vcfg), torch_dtype)
-        vae_bytes, vae_width = meta_bytes(vae)[1], vae.config.base_dim
-        downsample, latent_channels = 2 ** len(vae.config.temperal_downsample), vae.config.z_dim
+    vae_bytes, vae_width, downsample, latent_channels = _codec_sizes(folder, torch_dtype, sources)
 
     text = te_cfg.text_config
     return DiTModel(
@@ -147,6 +133,27 @@ def load_dit_model(model_path: str, dtype: str) -> DiTModel:
         in_channels=transformer.config.in_channels,
         sources=sources,
     )
+
+
+def _codec_sizes(folder: Path, torch_dtype: torch.dtype, sources: dict) -> tuple[int, int, int, int]:
+    """(bytes, decoder width, downsampling, latent channels) of the folder's codec: the tiny folders'
+    parameter-free space-to-depth one, or the Qwen-Image VAE (its config, or the published one)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    from spotlight.latents import load_codec
+
+    if (folder / "latent_codec.json").is_file():
+        codec = load_codec(folder)
+        sources["vae"] = f"{folder}/latent_codec.json (parameter-free codec)"
+        return 0, 0, codec.downsample, codec.latent_channels
+    if (folder / "vae" / "config.json").is_file():
+        vcfg = AutoencoderKLQwenImage.load_config(folder / "vae")
+        sources["vae"] = f"{folder}/vae/config.json (meta device)"
+    else:
+        vcfg = QWEN_IMAGE_VAE
+        sources["vae"] = "published Qwen-Image VAE config (vae/ not on disk)"
+    vae = on_meta(lambda: AutoencoderKLQwenImage.from_config(vcfg), torch_dtype)
+    return meta_bytes(vae)[1], vae.config.base_dim, 2 ** len(vae.config.temperal_downsample), vae.config.z_dim
 
 
 def dit_text_tokens(cfg, folder: Path) -> tuple[int, str]:

@@ -194,13 +194,7 @@ def update(
                     sums[k] += v * tokens
                 sums["tokens"] += tokens
             if shard.owner_N is not None:  # FSDP: as many forwards and backwards as the busiest rank
-                counts = torch.bincount(shard.owner_N[mb_all], minlength=shard.dp.world_size).tolist()
-                spare = FullForward(policy, shard.spare, cfg.rollout.temperature)
-                for _ in range(
-                    max(math.ceil(c / tc.micro_batch_size) for c in counts)
-                    - math.ceil(len(mb_rows) / tc.micro_batch_size)
-                ):
-                    (spare.logprobs([0]).sum() * 0.0).backward()
+                _pad_backwards(policy, shard, mb_all, len(mb_rows), cfg)
             scorer.before_step()
             shard.dp.all_reduce_grads(params)  # the one-process minibatch gradient, before clipping (FSDP: done)
             grad_norm = shard.dp.clip_grad_norm_(params, tc.max_grad_norm)
@@ -213,3 +207,14 @@ def update(
     tokens = max(totals.pop("tokens")[0], 1.0)
     stats = {k: v[0] / tokens for k, v in totals.items() if k != "loss"}
     return {**stats, "loss": float(np.mean(totals["loss"])), "grad_norm": float(np.mean(grad_norms))}
+
+
+def _pad_backwards(policy: VLMPolicy, shard: UpdateShard, mb_all: list[int], num_mine: int, cfg: VLMRecipe) -> None:
+    """Under FSDP every rank runs as many micro-batch forwards and backwards as the busiest rank of
+    the minibatch `mb_all`: this rank, holding `num_mine` of its rows, adds the missing ones on a
+    spare row with weight 0 (they take part in the collectives and add nothing)."""
+    mbs = cfg.train.micro_batch_size
+    counts = torch.bincount(shard.owner_N[mb_all], minlength=shard.dp.world_size).tolist()
+    spare = FullForward(policy, shard.spare, cfg.rollout.temperature)
+    for _ in range(max(math.ceil(c / mbs) for c in counts) - math.ceil(num_mine / mbs)):
+        (spare.logprobs([0]).sum() * 0.0).backward()
