@@ -70,11 +70,9 @@ window:
   and on an exception, where the prefetch's own error is logged rather than hiding the first;
 - what it saves: the step's encoder seconds, less what `begin_step` still waits for
   (`StepStats.wait_s`, the metric time/prompt_encoder_wait_s), less the slowdown of the work it
-  overlaps (on a CPU the two threads share the cores). The encoder is a small share of a step:
-  `benchmarks/dit_prompt_prefix.py --prefetch` (steps with and without prefetch alternated in one
-  run, the same bits) measured on the tiny recipe, 2 shared CPU cores, 0.035 s of encoder hidden
-  per step of 27-40 s (0.08%; the worker waited for nothing), a difference in step time well
-  within the noise (1.7 +- 4.0 s). On a GPU the side stream overlaps it with the denoising
+  overlaps (on a CPU the two threads share the cores). `benchmarks/dit_prompt_prefix.py
+  --prefetch` measures it (steps with and without prefetch alternated in one run, the same bits;
+  docs/architecture.md has the figures). On a GPU the side stream overlaps it with the denoising
   kernels. `train.prefetch_prompts` turns it off.
 
 `UncachedPrompts` is the naive baseline with the same interface: every lookup runs the encoder on

@@ -70,10 +70,9 @@ def resolve_autocast(setting: str, device: torch.device | str, objective: str) -
     "auto" picks bfloat16 only where it is both safe and fast. Safe: the objective is "nft",
     which trains on the final samples, whatever computed them; Flow-GRPO compares the rollout's
     step log-probs with the update's float32 recomputation, so it keeps "none". Fast: a CUDA GPU
-    with bfloat16, or a CPU with bfloat16 matrix instructions, AMX tiles or AVX512-BF16
-    (`benchmarks/autocast_rollout.py` on 2 cores: 1.73x faster rollouts on a Sapphire
-    Rapids-class CPU with AMX, 1.45x on an AMD EPYC with AVX512-BF16; a CPU with neither emulates
-    bfloat16 and is usually slower than float32).
+    with bfloat16, or a CPU with bfloat16 matrix instructions, AMX tiles or AVX512-BF16 (a CPU
+    with neither emulates bfloat16; `benchmarks/autocast_rollout.py` measures the difference,
+    docs/tiny-recipe-notes.md has the figures).
     """
     if setting != "auto":
         return setting
@@ -92,13 +91,10 @@ def resolve_train_autocast(setting: str, device: torch.device | str, objective: 
 
     "auto" is bfloat16 for the "nft" update on a CUDA GPU with bfloat16, as in the usual
     mixed-precision recipes (the weights, their gradients and Adam's state stay in the weights'
-    dtype), and float32 on a CPU: `benchmarks/autocast_rollout.py` (its update_* figures, 2
-    cores) measured the bfloat16 update 1.12x faster on an AMD EPYC with AVX512-BF16 and no
-    AMX, with weight steps at cosine 0.95 to the float32 ones, and a forward + backward at
-    batch 256 took 1.09 s against 0.98 s in float32 on a Sapphire Rapids-class CPU with AMX
-    tiles; a full run with it on the AMD host ended below the float32 runs
-    (docs/tiny-recipe-notes.md). Flow-GRPO keeps "none": its ratio compares float32 step
-    log-probs. Elsewhere "auto" means what it means for sampling (`resolve_autocast`).
+    dtype), and float32 on a CPU, where the bfloat16 update was not both faster and as good
+    (`benchmarks/autocast_rollout.py`'s update_* figures; docs/tiny-recipe-notes.md). Flow-GRPO
+    keeps "none": its ratio compares float32 step log-probs. Elsewhere "auto" means what it means
+    for sampling (`resolve_autocast`).
     """
     if setting == "auto" and torch.device(device).type == "cpu":
         return "none"

@@ -1,7 +1,7 @@
 """A wall-clock budget for a loop of iterations (`train.max_minutes` of both trainers).
 
 Stopping "after the iteration during which the time ran out" overshoots the budget by up to one
-iteration (8-15 s for the tiny DiT recipe on 2 cores), so a recipe that must finish within a fixed
+iteration, so a recipe that must finish within a fixed
 time has to leave that much unused. `IterationBudget` instead stops *before* an iteration that
 would end after the budget: the next iteration is predicted to take as long as the slowest of the
 last few (checkpoint and evaluation iterations included, so a periodic slow one is covered).
