@@ -64,10 +64,11 @@ def warn_if_cpus_oversubscribed(cfg: DiTRecipe, num_cpus: int | None = None) -> 
     """Warn (and return the message) when a local cluster's spot workers and the trainer want more
     CPUs than this machine has.
 
-    Ray starts worker processes at niceness 15 (its `worker_niceness` setting), so on a shared CPU the spot
-    workers get only what the trainer leaves idle, and exploration budgets fall to nothing (docs/tiny-recipe-
-    notes.md, fourteenth session, has a measurement). That keeps exploration off the critical path, as on real
-    spot GPUs, but it explores little. Rollout workers are not counted: the trainer waits while they work.
+    Ray starts worker processes at niceness 15 (its `worker_niceness` setting), so on a shared CPU the
+    spot workers get only what the trainer leaves idle, and exploration budgets fall to nothing
+    (docs/tiny-recipe-notes.md, fourteenth session, has a measurement). That keeps exploration off the
+    critical path, as on real spot GPUs, but it explores little. Rollout workers are not counted: the
+    trainer waits while they work.
     """
     r = cfg.runtime
     cpus = num_cpus or len(os.sched_getaffinity(0))
