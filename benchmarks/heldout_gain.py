@@ -13,9 +13,9 @@ seeds' noise with the prompts fixed), the iterations and minutes each run took, 
 The runs go one after another: the recipe is time-budgeted (`train.max_minutes`), so two at once
 on a small host would each train less. Anything else running on the host lowers the figures too.
 
-A caveat the JSON states: the shipped base was pretrained with split 0's held-out prompts left out
-(configs/dit/tiny-pretrain.yaml), so some of another split's held-out prompts were pretraining
-captions ("heldout_seen_by_base": their fraction per split).
+The JSON states, per split, the fraction of its held-out prompts that were pretraining captions
+("heldout_seen_by_base"): the shipped base (configs/dit/tiny-pretrain.yaml) left the held-out prompts
+of splits 0, 1 and 2 out of pretraining, so it is 0 there; another split or base may differ.
 
 Prints one JSON line; progress goes to stderr. `--keep` reuses finished runs in OUT. Example:
 
