@@ -29,6 +29,8 @@ Prints one JSON line; per-run progress goes to stderr. Examples:
     .venv/bin/python benchmarks/time_to_target.py --emulate-spot-nodes 4 --seeds 3 --json
     .venv/bin/python benchmarks/time_to_target.py --emulate-spot-nodes 1,2,4,8 --seeds 3 --modes none,stale --json
     .venv/bin/python benchmarks/time_to_target.py --emulate-spot-nodes 1 --modes stale,stale_real --seeds 2 --json
+    .venv/bin/python benchmarks/time_to_target.py --emulate-spot-nodes 8 --modes none,stale,oracle --seeds 3 --json \
+        --selection-override train.group_size=8 --selection-override train.prompts_per_iteration=32
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from spotlight.prompts import train_and_eval_prompts
 from spotlight.rewards import build_reward
 
 MODES = ("none", "none_all_cores", "stale", "oracle", "stale_real")
+SELECTING_MODES = ("stale", "oracle", "stale_real")  # the modes --selection-override applies to
 
 
 def mode_overrides(mode: str, *, nodes: int, trainer_threads: int, oracle_candidates: int, prompts: int) -> list[str]:
@@ -79,6 +82,12 @@ def mode_overrides(mode: str, *, nodes: int, trainer_threads: int, oracle_candid
     if mode == "stale_real":
         return ["explore.mode=stale", "runtime.spot_nodes=1", "runtime.local_cluster_cpus=1", threads]
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+
+
+def run_overrides(mode: str, common: list[str], selection: list[str], **mode_args) -> list[str]:
+    """A run's recipe overrides: the common ones, then --selection-override's for the modes that select
+    seeds (so plain GRPO keeps the recipe's own shape), then the mode's (`mode_overrides`)."""
+    return [*common, *(selection if mode in SELECTING_MODES else []), *mode_overrides(mode, **mode_args)]
 
 
 def to_target(rows: list[dict], target: float) -> dict:
@@ -209,6 +218,14 @@ def main() -> None:
     )
     parser.add_argument("--oracle-candidates", type=int, default=64)
     parser.add_argument(
+        "--selection-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for the selecting modes only (stale, oracle, stale_real), repeatable: e.g. "
+        "train.group_size=8 and train.prompts_per_iteration=32 select smaller groups while none keeps 16 x 16",
+    )
+    parser.add_argument(
         "--keep",
         default="",
         help="keep the run directories here (default: a temporary directory); "
@@ -251,6 +268,9 @@ def main() -> None:
         *args.overrides,
     ]
     cfg = load_config(DiTRecipe, args.recipe, common)
+    selection_prompts = load_config(
+        DiTRecipe, args.recipe, [*common, *args.selection_override]
+    ).train.prompts_per_iteration
     base_eval = None
     target = args.target
     if args.from_runs:
@@ -279,15 +299,17 @@ def main() -> None:
         jobs = []
         for mode, k, seed in tasks:
             name = f"{mode}@{k}" if k is not None else mode
-            extra = mode_overrides(
+            overrides = run_overrides(
                 mode,
+                common,
+                args.selection_override,
                 nodes=k or 1,
                 trainer_threads=args.trainer_threads,
                 oracle_candidates=args.oracle_candidates,
-                prompts=cfg.train.prompts_per_iteration,
+                prompts=selection_prompts if mode in SELECTING_MODES else cfg.train.prompts_per_iteration,
             )
             # A run ends at the evaluation that reaches the target (eval.stop_at), or after --iterations.
-            overrides = [*common, *extra, f"train.seed={seed}", f"eval.stop_at={target}"]
+            overrides += [f"train.seed={seed}", f"eval.stop_at={target}"]
             jobs.append((name, seed, args.recipe, overrides, str(root / f"{name}-seed{seed}"), target))
         # With --parallel, several runs at once, each on its own threads (spawned processes: a fresh torch each).
         with (
@@ -324,6 +346,7 @@ def main() -> None:
                 "trainer_threads": args.trainer_threads,
                 "oracle_candidates": args.oracle_candidates,
                 "overrides": args.overrides,
+                "selection_overrides": args.selection_override,
                 "parallel_runs": args.parallel,
                 "benchmark_s": round(time.monotonic() - started, 1),
                 "runs": runs,

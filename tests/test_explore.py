@@ -651,6 +651,19 @@ def test_time_to_target_takes_the_run_clock_at_the_first_evaluation_at_the_targe
         module.mode_overrides("fast", nodes=1, trainer_threads=1, oracle_candidates=64, prompts=16)
     oracle = module.mode_overrides("oracle", nodes=1, trainer_threads=1, oracle_candidates=64, prompts=16)
     assert "explore.fixed_budget=1024" in oracle and "explore.mode=inline" in oracle
+    # --selection-override reaches the selecting modes only: plain GRPO keeps the recipe's shape.
+    selection = ["train.group_size=8", "train.prompts_per_iteration=32"]
+    common = ["train.num_iterations=40"]
+    args = dict(nodes=4, trainer_threads=1, oracle_candidates=64)
+    assert module.run_overrides("none", common, selection, prompts=16, **args) == [
+        "train.num_iterations=40",
+        "explore.mode=none",
+        "train.num_threads=1",
+    ]
+    stale = module.run_overrides("stale", common, selection, prompts=32, **args)
+    assert stale[:3] == [*common, *selection] and "explore.emulated_nodes=4" in stale
+    oracle = module.run_overrides("oracle", common, selection, prompts=32, **args)
+    assert oracle[1:3] == selection and "explore.fixed_budget=2048" in oracle
 
 
 def test_explore_window_benchmark_compares_the_windows_after_the_first_two_iterations():
