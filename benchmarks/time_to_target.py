@@ -306,7 +306,7 @@ def main() -> None:
                 nodes=k or 1,
                 trainer_threads=args.trainer_threads,
                 oracle_candidates=args.oracle_candidates,
-                prompts=selection_prompts if mode in SELECTING_MODES else cfg.train.prompts_per_iteration,
+                prompts=selection_prompts,  # only the oracle's budget uses it, and the oracle selects
             )
             # A run ends at the evaluation that reaches the target (eval.stop_at), or after --iterations.
             overrides += [f"train.seed={seed}", f"eval.stop_at={target}"]
